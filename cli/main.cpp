@@ -1,0 +1,41 @@
+#include <cstdio>
+#include <exception>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "twinkle_config.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"twinkle: run distributed C++ model code on one machine or a cluster", "twinkle"};
+  app.set_version_flag("--version", fmt::format("twinkle {}", TWINKLE_VERSION));
+  app.require_subcommand(1);
+  app.footer(
+      "Run `twinkle COMMAND --help` for a command's options; man twinkle for the whole story.");
+
+  twinkle::cli::Action action;
+  twinkle::cli::setup_topology(app, action);
+  twinkle::cli::setup_nodes(app, action);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return twinkle::kExitUsage;
+  }
+
+  try {
+    return action ? action() : twinkle::kExitUsage;
+  } catch (const twinkle::Error& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "twinkle: {}\n", e.what());
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "twinkle: internal error: {}\n", e.what());
+    return twinkle::kExitJobFailed;
+  }
+}

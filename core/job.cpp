@@ -1,0 +1,532 @@
+#include "core/job.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace twinkle::core {
+
+std::string_view to_string(Mode m) { return m == Mode::local ? "local" : "remote"; }
+std::string_view to_string(DeviceType d) { return d == DeviceType::cpu ? "cpu" : "cuda"; }
+
+const GroupSpec* Job::find_group(std::string_view n) const {
+  for (const auto& g : groups) {
+    if (g.name == n) return &g;
+  }
+  return nullptr;
+}
+
+int Job::world_size() const {
+  int top = -1;
+  for (const auto& g : groups) {
+    for (int r : g.ranks) top = std::max(top, r);
+  }
+  return top + 1;
+}
+
+std::optional<std::string> closest_match(std::string_view word,
+                                         const std::vector<std::string>& candidates) {
+  auto distance = [](std::string_view a, std::string_view b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diag = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j) {
+        size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+        diag = up;
+      }
+    }
+    return row[b.size()];
+  };
+  auto common_prefix = [&](std::string_view c) {
+    size_t n = 0;
+    while (n < c.size() && n < word.size() && c[n] == word[n]) ++n;
+    return n;
+  };
+  // Ties go to the candidate that shares the longer prefix: "tpp" means "tp", not "pp".
+  std::optional<std::string> best;
+  size_t best_d = std::max<size_t>(2, word.size() / 3) + 1;
+  for (const auto& c : candidates) {
+    size_t d = distance(word, c);
+    if (d < best_d || (best && d == best_d && common_prefix(c) > common_prefix(*best))) {
+      best_d = d;
+      best = c;
+    }
+  }
+  return best;
+}
+
+Override parse_override(std::string_view text) {
+  auto eq = text.find('=');
+  if (eq == std::string_view::npos || eq == 0) {
+    throw ConfigError(
+        fmt::format("--set {}: expected SECTION.KEY=VALUE, for example --set job.seed=7 or --set "
+                    "group.model.ranks=8",
+                    text));
+  }
+  return Override{std::string(text.substr(0, eq)), std::string(text.substr(eq + 1))};
+}
+
+namespace {
+
+constexpr std::string_view kOverridePrefix = "--set ";
+
+// Validates one parsed document and builds the Job. Every failure throws ConfigError located at
+// the offending node.
+class JobReader {
+ public:
+  explicit JobReader(std::string file) : file_(std::move(file)) {}
+
+  std::string where(const toml::node& n, std::string_view path) const {
+    const auto& src = n.source();
+    if (src.path && src.path->starts_with(kOverridePrefix)) return *src.path;
+    if (src.begin.line == 0) return fmt::format("{}{}", kOverridePrefix, path);
+    return fmt::format("{}:{}:{}", file_, src.begin.line, src.begin.column);
+  }
+
+  [[noreturn]] void fail(const toml::node& n, std::string_view path, const std::string& msg) const {
+    throw ConfigError(fmt::format("{}: {}", where(n, path), msg));
+  }
+
+  void check_keys(const toml::table& t, std::string_view section,
+                  const std::vector<std::string>& allowed) const {
+    for (auto&& [k, v] : t) {
+      if (std::find(allowed.begin(), allowed.end(), k.str()) != allowed.end()) continue;
+      std::string msg = section.empty() ? fmt::format("unknown section or key \"{}\"", k.str())
+                                        : fmt::format("unknown key \"{}\" in {}", k.str(), section);
+      if (auto hint = closest_match(k.str(), allowed)) {
+        msg += fmt::format("; did you mean \"{}\"?", *hint);
+      } else {
+        std::string list;
+        for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+        msg += fmt::format("; allowed: {}", list);
+      }
+      fail(v, join(section, k.str()), msg);
+    }
+  }
+
+  static std::string join(std::string_view a, std::string_view b) {
+    return a.empty() ? std::string(b) : fmt::format("{}.{}", a, b);
+  }
+
+  static std::string_view type_name(const toml::node& n) {
+    switch (n.type()) {
+      case toml::node_type::string: return "a string";
+      case toml::node_type::integer: return "an integer";
+      case toml::node_type::floating_point: return "a number";
+      case toml::node_type::boolean: return "a boolean";
+      case toml::node_type::array: return "a list";
+      case toml::node_type::table: return "a table";
+      default: return "a date or time";
+    }
+  }
+
+  std::string get_string(const toml::node& n, std::string_view path) const {
+    if (auto s = n.value<std::string>(); s && n.is_string()) return *s;
+    fail(n, path, fmt::format("{} must be a string, not {}", path, type_name(n)));
+  }
+
+  std::int64_t get_int(const toml::node& n, std::string_view path) const {
+    if (n.is_integer()) return *n.value<std::int64_t>();
+    fail(n, path, fmt::format("{} must be an integer, not {}", path, type_name(n)));
+  }
+
+  int get_positive_int(const toml::node& n, std::string_view path) const {
+    auto v = get_int(n, path);
+    if (v < 1 || v > 1'000'000)
+      fail(n, path, fmt::format("{} must be a positive integer, not {}", path, v));
+    return static_cast<int>(v);
+  }
+
+  double get_number(const toml::node& n, std::string_view path) const {
+    if (n.is_integer()) return static_cast<double>(*n.value<std::int64_t>());
+    if (n.is_floating_point()) return *n.value<double>();
+    fail(n, path, fmt::format("{} must be a number, not {}", path, type_name(n)));
+  }
+
+  const toml::table& get_table(const toml::node& n, std::string_view path) const {
+    if (auto t = n.as_table()) return *t;
+    fail(n, path, fmt::format("{} must be a table, not {}", path, type_name(n)));
+  }
+
+  Job read(const toml::table& root, const std::filesystem::path& file) {
+    Job job;
+    job.file = file;
+    check_keys(root, "", {"job", "group", "args", "notify"});
+
+    const toml::node* job_node = root.get("job");
+    if (!job_node) {
+      throw ConfigError(fmt::format(
+          "{}: missing [job] section; add one with at least plugin = \"libNAME.so\"", file_));
+    }
+    read_job(get_table(*job_node, "job"), job);
+
+    const toml::node* groups = root.get("group");
+    if (!groups) {
+      throw ConfigError(fmt::format(
+          "{}: no [[group]] defined; add one, e.g. [[group]] name = \"model\" ranks = 2", file_));
+    }
+    const toml::array* arr = groups->as_array();
+    if (!arr || !arr->is_array_of_tables()) {
+      fail(*groups, "group", "group must be an array of tables: write each one as [[group]]");
+    }
+    int next_rank = 0;
+    std::map<int, std::string> owner;
+    for (size_t i = 0; i < arr->size(); ++i) {
+      GroupSpec g = read_group(*(*arr)[i].as_table(), fmt::format("group[{}]", i), next_rank);
+      for (const auto& other : job.groups) {
+        if (other.name == g.name) {
+          throw ConfigError(
+              fmt::format("{}: group \"{}\" is defined twice; give each [[group]] a unique name",
+                          g.where.text, g.name));
+        }
+      }
+      for (int r : g.ranks) {
+        if (auto it = owner.find(r); it != owner.end()) {
+          throw ConfigError(
+              fmt::format("{}: group \"{}\": ranks overlap group \"{}\" (rank {}); give each group "
+                          "its own ranks",
+                          g.ranks_where.text, g.name, it->second, r));
+        }
+        owner[r] = g.name;
+        next_rank = std::max(next_rank, r + 1);
+      }
+      job.groups.push_back(std::move(g));
+    }
+
+    if (const toml::node* args = root.get("args")) job.args = get_table(*args, "args");
+    if (const toml::node* notify = root.get("notify"))
+      job.notify = read_notify(get_table(*notify, "notify"));
+    return job;
+  }
+
+  void read_job(const toml::table& t, Job& job) {
+    check_keys(
+        t, "job",
+        {"name", "mode", "plugin", "driver", "seed", "timeout_s", "address", "nproc_per_node"});
+    job.name = job.file.stem().string();
+    if (auto n = t.get("name")) {
+      job.name = get_string(*n, "job.name");
+      if (job.name.empty()) fail(*n, "job.name", "job.name must not be empty");
+    }
+    if (auto n = t.get("mode")) {
+      auto m = get_string(*n, "job.mode");
+      if (m == "local") {
+        job.mode = Mode::local;
+      } else if (m == "remote") {
+        job.mode = Mode::remote;
+      } else {
+        auto hint = closest_match(m, {"local", "remote"});
+        fail(*n, "job.mode",
+             fmt::format("job.mode must be \"local\" or \"remote\", not \"{}\"{}", m,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+    }
+    const toml::node* plugin = t.get("plugin");
+    if (!plugin) {
+      throw ConfigError(fmt::format(
+          "{}: [job] has no plugin; add plugin = \"libNAME.so\" (a path relative to the job file)",
+          file_));
+    }
+    job.plugin = get_string(*plugin, "job.plugin");
+    job.plugin_where = SourceRef{where(*plugin, "job.plugin")};
+    if (job.plugin.empty())
+      fail(*plugin, "job.plugin", "job.plugin must name the plugin's .so file");
+    std::filesystem::path p(job.plugin);
+    job.plugin_path = p.is_absolute() ? p : (job.file.parent_path() / p).lexically_normal();
+    if (auto n = t.get("driver")) {
+      job.driver = get_string(*n, "job.driver");
+      if (job.driver.empty()) fail(*n, "job.driver", "job.driver must not be empty");
+    }
+    if (auto n = t.get("seed")) job.seed = get_int(*n, "job.seed");
+    if (auto n = t.get("timeout_s")) {
+      job.timeout_s = get_number(*n, "job.timeout_s");
+      if (!(job.timeout_s > 0)) fail(*n, "job.timeout_s", "job.timeout_s must be greater than 0");
+    }
+    if (auto n = t.get("address")) {
+      job.address = get_string(*n, "job.address");
+      if (!job.address.starts_with("tcp://")) {
+        fail(*n, "job.address",
+             fmt::format("job.address must look like tcp://HOST:PORT, not \"{}\"", job.address));
+      }
+    }
+    if (auto n = t.get("nproc_per_node"))
+      job.nproc_per_node = get_positive_int(*n, "job.nproc_per_node");
+  }
+
+  GroupSpec read_group(const toml::table& t, const std::string& path, int next_rank) {
+    GroupSpec g;
+    g.where = SourceRef{where(t, path)};
+    check_keys(t, "[[group]]", {"name", "ranks", "device", "gpus_per_worker", "mesh"});
+    const toml::node* name = t.get("name");
+    if (!name)
+      throw ConfigError(
+          fmt::format("{}: [[group]] has no name; add name = \"model\"", g.where.text));
+    g.name = get_string(*name, path + ".name");
+    if (g.name.empty() || g.name.find_first_of(" \t:/") != std::string::npos) {
+      fail(*name, path + ".name",
+           fmt::format("group name \"{}\" must be non-empty and have no spaces, ':' or '/'",
+                       g.name));
+    }
+    const std::string gp = fmt::format("group.{}", g.name);
+    const std::string label = fmt::format("group \"{}\"", g.name);
+
+    const toml::node* ranks = t.get("ranks");
+    if (!ranks) {
+      throw ConfigError(fmt::format(
+          "{}: {} has no ranks; add ranks = N (the next N ranks) or a list", g.where.text, label));
+    }
+    g.ranks_where = SourceRef{where(*ranks, gp + ".ranks")};
+    if (ranks->is_integer()) {
+      int n = get_positive_int(*ranks, gp + ".ranks");
+      for (int i = 0; i < n; ++i) g.ranks.push_back(next_rank + i);
+    } else if (auto list = ranks->as_array()) {
+      if (list->empty())
+        fail(*ranks, gp + ".ranks", fmt::format("{}: ranks must not be empty", label));
+      std::set<int> seen;
+      for (auto&& item : *list) {
+        if (!item.is_integer() || *item.value<std::int64_t>() < 0) {
+          fail(item, gp + ".ranks", fmt::format("{}: ranks must be non-negative integers", label));
+        }
+        int r = static_cast<int>(*item.value<std::int64_t>());
+        if (!seen.insert(r).second) {
+          fail(item, gp + ".ranks", fmt::format("{}: rank {} is listed twice", label, r));
+        }
+        g.ranks.push_back(r);
+      }
+    } else {
+      fail(*ranks, gp + ".ranks",
+           fmt::format("{}: ranks must be an integer or a list of integers, not {}", label,
+                       type_name(*ranks)));
+    }
+
+    if (auto n = t.get("device")) {
+      auto d = get_string(*n, gp + ".device");
+      if (d == "cpu") {
+        g.device = DeviceType::cpu;
+      } else if (d == "cuda") {
+        g.device = DeviceType::cuda;
+      } else if (d == "npu") {
+        fail(*n, gp + ".device",
+             fmt::format(
+                 "{}: device \"npu\" is reserved and not supported yet; use \"cpu\" or \"cuda\"",
+                 label));
+      } else {
+        auto hint = closest_match(d, {"cpu", "cuda"});
+        fail(*n, gp + ".device",
+             fmt::format("{}: device must be \"cpu\" or \"cuda\", not \"{}\"{}", label, d,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+    }
+    if (auto n = t.get("gpus_per_worker")) {
+      g.gpus_per_worker = get_positive_int(*n, gp + ".gpus_per_worker");
+      if (g.device != DeviceType::cuda) {
+        fail(*n, gp + ".gpus_per_worker",
+             fmt::format("{}: gpus_per_worker applies to cuda groups only; set device = \"cuda\" "
+                         "or remove it",
+                         label));
+      }
+    }
+    if (auto n = t.get("mesh")) {
+      g.mesh = read_mesh(get_table(*n, gp + ".mesh"), gp + ".mesh", label, g.workers());
+      g.mesh_declared = true;
+    } else {
+      g.mesh = DeviceMesh::data_parallel(g.workers());
+    }
+    return g;
+  }
+
+  DeviceMesh read_mesh(const toml::table& t, const std::string& path, const std::string& label,
+                       int workers) {
+    std::vector<std::string> allowed = DeviceMesh::canonical_dims();
+    allowed.push_back("ep");
+    allowed.push_back("order");
+    check_keys(t, "mesh", allowed);
+    std::map<std::string, int> sizes;
+    int ep = 1;
+    const toml::node* ep_node = nullptr;
+    for (const auto& dim : DeviceMesh::canonical_dims()) {
+      if (auto n = t.get(dim)) sizes[dim] = get_positive_int(*n, path + "." + dim);
+    }
+    if ((ep_node = t.get("ep"))) ep = get_positive_int(*ep_node, path + ".ep");
+    if (sizes.empty()) {
+      fail(t, path,
+           fmt::format("{}: mesh has no dimensions; give at least one of pp, dp, fsdp, cp, tp",
+                       label));
+    }
+
+    std::vector<std::string> order;
+    if (auto n = t.get("order")) {
+      auto arr = n->as_array();
+      if (!arr)
+        fail(*n, path + ".order",
+             fmt::format("{}: mesh order must be a list of dimension names", label));
+      for (auto&& item : *arr) {
+        auto name = get_string(item, path + ".order");
+        if (!sizes.count(name)) {
+          fail(item, path + ".order",
+               fmt::format("{}: mesh order names \"{}\", which is not a dimension of this mesh",
+                           label, name));
+        }
+        if (std::find(order.begin(), order.end(), name) != order.end()) {
+          fail(item, path + ".order",
+               fmt::format("{}: mesh order names \"{}\" twice", label, name));
+        }
+        order.push_back(name);
+      }
+      if (order.size() != sizes.size()) {
+        fail(*n, path + ".order",
+             fmt::format("{}: mesh order must name every dimension of the mesh exactly once",
+                         label));
+      }
+    } else {
+      for (const auto& dim : DeviceMesh::canonical_dims()) {
+        if (sizes.count(dim)) order.push_back(dim);
+      }
+    }
+    std::vector<MeshDim> dims;
+    int product = 1;
+    for (const auto& name : order) {
+      dims.push_back({name, sizes[name]});
+      product *= sizes[name];
+    }
+    DeviceMesh probe(dims);
+    if (product != workers) {
+      fail(t, path,
+           fmt::format("{}: mesh {} has {} ranks but the group has {} workers; make the sizes "
+                       "multiply to {}",
+                       label, probe.dimensions_text(), product, workers, workers));
+    }
+    if (probe.data_world() % ep != 0) {
+      fail(*ep_node, path + ".ep",
+           fmt::format("{}: ep={} must divide dp x fsdp = {}", label, ep, probe.data_world()));
+    }
+    return DeviceMesh(dims, ep);
+  }
+
+  NotifySpec read_notify(const toml::table& t) {
+    check_keys(t, "notify", {"webhook", "kind", "secret"});
+    NotifySpec n;
+    const toml::node* hook = t.get("webhook");
+    if (!hook)
+      fail(t, "notify",
+           "[notify] has no webhook; add webhook = \"https://...\" or remove [notify]");
+    n.webhook = get_string(*hook, "notify.webhook");
+    if (!n.webhook.starts_with("http://") && !n.webhook.starts_with("https://")) {
+      fail(*hook, "notify.webhook",
+           fmt::format("notify.webhook must be an http:// or https:// URL, not \"{}\"", n.webhook));
+    }
+    if (auto k = t.get("kind")) {
+      n.kind = get_string(*k, "notify.kind");
+      if (n.kind != "json" && n.kind != "dingtalk") {
+        fail(*k, "notify.kind",
+             fmt::format("notify.kind must be \"json\" or \"dingtalk\", not \"{}\"", n.kind));
+      }
+    }
+    if (auto s = t.get("secret")) {
+      n.secret = get_string(*s, "notify.secret");
+      if (n.kind != "dingtalk")
+        fail(*s, "notify.secret",
+             "notify.secret signs DingTalk requests; set kind = \"dingtalk\" or remove it");
+    }
+    return n;
+  }
+
+ private:
+  std::string file_;
+};
+
+// Applies one override to the parsed document before validation, so overridden values are checked
+// exactly like the file's own.
+void apply_override(toml::table& root, const Override& o, const std::string& file) {
+  std::vector<std::string> parts;
+  std::stringstream ss(o.key);
+  for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
+  const std::string label = fmt::format("{}{}", kOverridePrefix, o.key);
+  if (parts.size() < 2 ||
+      std::any_of(parts.begin(), parts.end(), [](auto& p) { return p.empty(); })) {
+    throw ConfigError(
+        fmt::format("{}: expected SECTION.KEY, for example job.seed or group.model.ranks", label));
+  }
+
+  toml::table* target = nullptr;
+  size_t key_at = 1;
+  if (parts[0] == "group") {
+    if (parts.size() < 3)
+      throw ConfigError(fmt::format("{}: address a group as group.NAME.KEY", label));
+    auto* arr = root["group"].as_array();
+    std::vector<std::string> names;
+    for (size_t i = 0; arr && i < arr->size(); ++i) {
+      auto* t = (*arr)[i].as_table();
+      auto name = t ? (*t)["name"].value<std::string>() : std::nullopt;
+      if (!name) continue;
+      names.push_back(*name);
+      if (*name == parts[1]) target = t;
+    }
+    if (!target) {
+      auto hint = closest_match(parts[1], names);
+      throw ConfigError(
+          fmt::format("{}: {} has no group \"{}\"{}", label, file, parts[1],
+                      hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+    }
+    key_at = 2;
+  } else {
+    auto [it, inserted] = root.insert(parts[0], toml::table{});
+    target = it->second.as_table();
+    if (!target) throw ConfigError(fmt::format("{}: {} is not a section", label, parts[0]));
+  }
+  for (size_t i = key_at; i + 1 < parts.size(); ++i) {
+    auto [it, inserted] = target->insert(parts[i], toml::table{});
+    target = it->second.as_table();
+    if (!target) throw ConfigError(fmt::format("{}: {} is not a table", label, parts[i]));
+  }
+
+  toml::table holder;
+  try {
+    holder = toml::parse("v = " + o.value, label);
+  } catch (const toml::parse_error&) {
+    holder = toml::table{};  // not a TOML value: take it as a plain string
+    holder.insert("v", o.value);
+  }
+  target->insert_or_assign(parts.back(), *holder.get("v"));
+}
+
+}  // namespace
+
+Job parse_job(std::string_view text, const std::filesystem::path& file,
+              const std::vector<Override>& overrides) {
+  const std::string name = file.string();
+  toml::table root;
+  try {
+    root = toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("{}:{}:{}: {}", name, e.source().begin.line,
+                                  e.source().begin.column, e.description()));
+  }
+  for (const auto& o : overrides) apply_override(root, o, name);
+  return JobReader(name).read(root, file);
+}
+
+Job load_job(const std::filesystem::path& file, const std::vector<Override>& overrides) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    std::error_code ec;
+    const bool exists = std::filesystem::exists(file, ec);
+    throw ConfigError(
+        exists ? fmt::format("{}: cannot read the job file (permission denied?)", file.string())
+               : fmt::format("{}: no such job file; check the path", file.string()));
+  }
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return parse_job(buf.str(), file, overrides);
+}
+
+}  // namespace twinkle::core

@@ -1,0 +1,85 @@
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <toml++/toml.h>
+
+#include "core/mesh.hpp"
+
+namespace twinkle::core {
+
+enum class Mode { local, remote };
+enum class DeviceType { cpu, cuda };
+
+std::string_view to_string(Mode m);
+std::string_view to_string(DeviceType d);
+
+// Where a value came from: "job.toml:12:9", or "--set group.model.ranks" for an override.
+struct SourceRef {
+  std::string text;
+};
+
+struct GroupSpec {
+  std::string name;
+  std::vector<int> ranks;  // global ranks, in the order of the group's workers
+  DeviceType device = DeviceType::cpu;
+  int gpus_per_worker = 1;
+  DeviceMesh mesh = DeviceMesh::data_parallel(1);
+  bool mesh_declared = false;
+  SourceRef where;        // the [[group]] table
+  SourceRef ranks_where;  // its ranks key (or the table when absent)
+
+  int workers() const { return static_cast<int>(ranks.size()); }
+};
+
+struct NotifySpec {
+  std::string webhook;
+  std::string kind = "json";  // "json" | "dingtalk"
+  std::string secret;
+};
+
+// A parsed and validated job file (DESIGN.md section 3). Plain data; copyable.
+struct Job {
+  std::filesystem::path file;  // as given on the command line
+  std::string name;
+  Mode mode = Mode::local;
+  std::string plugin;                 // as written in the file
+  std::filesystem::path plugin_path;  // resolved against the job file's folder
+  SourceRef plugin_where;
+  std::string driver = "main";
+  std::int64_t seed = 0;
+  double timeout_s = 600;
+  std::string address;
+  int nproc_per_node = 0;  // 0: not set
+  std::vector<GroupSpec> groups;
+  toml::table args;
+  std::optional<NotifySpec> notify;
+
+  const GroupSpec* find_group(std::string_view name) const;
+  int world_size() const;  // 1 + the highest rank of any group
+};
+
+// One `--set section.key=value` override. `group.NAME.key=value` addresses the group named NAME.
+struct Override {
+  std::string key;
+  std::string value;
+};
+// Parses "key=value"; throws ConfigError naming the flag when there is no '=' or no key.
+Override parse_override(std::string_view text);
+
+// Reads, overrides and validates a job file. Throws ConfigError whose message starts with
+// "FILE:LINE:COLUMN: " (or "--set KEY: ") and says the fix.
+Job load_job(const std::filesystem::path& file, const std::vector<Override>& overrides = {});
+// Same, from text; `file` names it in messages and anchors the plugin path.
+Job parse_job(std::string_view text, const std::filesystem::path& file,
+              const std::vector<Override>& overrides = {});
+
+// The closest of `candidates` to `word` within a small edit distance, for "did you mean" hints.
+std::optional<std::string> closest_match(std::string_view word,
+                                         const std::vector<std::string>& candidates);
+
+}  // namespace twinkle::core

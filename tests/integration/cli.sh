@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Integration tests of `twinkle topology`, `twinkle nodes` and the top-level flags.
+# Usage: cli.sh TWINKLE_BINARY SOURCE_ROOT CASE
+TWK=$1
+SRC=$2
+source "$SRC/tests/integration/lib.sh"
+
+case $3 in
+  topology_example)
+    run 0 "$TWK" topology "$SRC/examples/hello/job.toml"
+    expect_out "DEVICE PLACEMENT TOPOLOGY"
+    expect_out "DeviceGroup: model"
+    expect_out "Dimensions : dp=2 × tp=2"
+    expect_width_80
+    run 0 "$TWK" topology --ascii "$SRC/examples/hello/job.toml"
+    expect_out "| * DeviceGroup: processor"
+    LC_ALL=C grep -q $'[\x80-\xff]' "$TMP/out" && fail "--ascii printed non-ASCII bytes"
+    expect_width_80
+    ;;
+  topology_json)
+    run 0 "$TWK" topology --json --set job.name=renamed "$SRC/examples/hello/job.toml"
+    python3 - "$TMP/out" <<'PY' || fail "--json output is not the expected JSON"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["job"] == "renamed", j["job"]
+assert [g["name"] for g in j["groups"]] == ["model", "processor"]
+assert j["groups"][0]["mesh"]["dims"] == [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}]
+assert j["groups"][1]["ranks"] == [4, 5]
+PY
+    ;;
+  topology_gpus)
+    cat >"$TMP/job.toml" <<'TOML'
+[job]
+plugin = "x.so"
+[[group]]
+name = "model"
+ranks = 4
+device = "cuda"
+mesh = { dp = 2, tp = 2 }
+[[group]]
+name = "sampler"
+ranks = 2
+device = "cuda"
+TOML
+    # No NVML on the test machines: CUDA_VISIBLE_DEVICES names the physical GPUs.
+    if ! ldconfig -p 2>/dev/null | grep -q libnvidia-ml.so.1; then
+      CUDA_VISIBLE_DEVICES= run 2 "$TWK" topology "$TMP/job.toml"
+      expect_err "job.toml:3:1: group \"model\" does not fit"
+      expect_err "declare them with --gpus N"
+      CUDA_VISIBLE_DEVICES= run 0 "$TWK" topology --gpus 6 "$TMP/job.toml"
+      expect_out "rank 5 → "
+      expect_out "GPU 5"
+      CUDA_VISIBLE_DEVICES=7,6,5,4,3,2 run 0 "$TWK" topology "$TMP/job.toml"
+      expect_out "rank 0 → "
+      grep -q "rank 0 → .* GPU 7" "$TMP/out" || fail "rank 0 is not on physical GPU 7"
+      grep -q "rank 5 → .* GPU 2" "$TMP/out" || fail "rank 5 is not on physical GPU 2"
+    fi
+    ;;
+  bad_job)
+    printf '[job]\nplugin = "x.so"\n[[group]]\nname = "a"\nranks = [0, 1]\n[[group]]\nname = "b"\nranks = [1]\n' >"$TMP/job.toml"
+    run 2 "$TWK" topology "$TMP/job.toml"
+    expect_err "job.toml:8:9: group \"b\": ranks overlap group \"a\" (rank 1)"
+    run 2 "$TWK" topology "$TMP/missing.toml"
+    expect_err "missing.toml: no such job file"
+    run 2 "$TWK" topology --set job.sed=1 "$SRC/examples/hello/job.toml"
+    expect_err "--set job.sed: unknown key \"sed\" in job; did you mean \"seed\"?"
+    run 2 "$TWK" topology
+    expect_err "job is required"
+    run 2 "$TWK" frobnicate
+    ;;
+  nodes)
+    run 0 "$TWK" nodes
+    expect_out "HOST"
+    expect_out "ALIVE"
+    run 0 "$TWK" nodes --json
+    python3 - "$TMP/out" <<'PY' || fail "nodes --json is not the expected JSON"
+import json, os, sys
+j = json.load(open(sys.argv[1]))
+n = j["nodes"][0]
+assert n["cpus"] >= 1 and n["memory_bytes"] > 0 and n["state"] == "ALIVE"
+assert isinstance(n["gpus"], list)
+PY
+    ;;
+  version_help)
+    run 0 "$TWK" --version
+    expect_out "twinkle "
+    for cmd in "" topology nodes; do
+      run 0 "$TWK" $cmd --help
+      expect_out "Usage"
+    done
+    ;;
+  *) fail "unknown case $3" ;;
+esac
+echo "ok: $3"

@@ -1,0 +1,246 @@
+#include <catch2/catch.hpp>
+
+#include "core/error.hpp"
+#include "core/job.hpp"
+
+using namespace twinkle::core;
+using twinkle::ConfigError;
+
+namespace {
+
+Job parse(const std::string& text, const std::vector<Override>& overrides = {}) {
+  return parse_job(text, "jobs/job.toml", overrides);
+}
+
+// The message of the ConfigError that parsing `text` raises.
+std::string error_of(const std::string& text, const std::vector<Override>& overrides = {}) {
+  try {
+    parse(text, overrides);
+  } catch (const ConfigError& e) {
+    CHECK(e.exit_code() == 2);
+    return e.what();
+  }
+  FAIL("no ConfigError for:\n" << text);
+  return {};
+}
+
+const std::string kJob = "[job]\nname = \"t\"\nplugin = \"libt.so\"\n";
+
+}  // namespace
+
+TEST_CASE("a complete job file", "[job]") {
+  Job job = parse(R"([job]
+name    = "digits"
+mode    = "local"
+plugin  = "libdigits.so"
+driver  = "train"
+seed    = 42
+timeout_s = 30
+
+[[group]]
+name   = "model"
+ranks  = 4
+device = "cuda"
+gpus_per_worker = 2
+mesh   = { dp = 2, tp = 2 }
+
+[[group]]
+name   = "processor"
+ranks  = [8, 9]
+device = "cpu"
+
+[[group]]
+name   = "tail"
+ranks  = 2
+
+[args]
+epochs = 5
+lr = 0.1
+
+[notify]
+webhook = "http://127.0.0.1:9/hook"
+kind = "dingtalk"
+secret = "s"
+)");
+  CHECK(job.name == "digits");
+  CHECK(job.mode == Mode::local);
+  CHECK(job.plugin_path == "jobs/libdigits.so");
+  CHECK(job.driver == "train");
+  CHECK(job.seed == 42);
+  CHECK(job.timeout_s == 30);
+  REQUIRE(job.groups.size() == 3);
+  CHECK(job.groups[0].ranks == std::vector<int>{0, 1, 2, 3});
+  CHECK(job.groups[0].device == DeviceType::cuda);
+  CHECK(job.groups[0].gpus_per_worker == 2);
+  CHECK(job.groups[0].mesh.dimensions_text() == "dp=2 × tp=2");
+  CHECK(job.groups[1].ranks == std::vector<int>{8, 9});
+  CHECK(job.groups[1].mesh.dimensions_text() == "dp=2");
+  // Integer ranks continue after the highest rank so far.
+  CHECK(job.groups[2].ranks == std::vector<int>{10, 11});
+  CHECK(job.world_size() == 12);
+  CHECK(job.args["epochs"].value<int>() == 5);
+  REQUIRE(job.notify);
+  CHECK(job.notify->kind == "dingtalk");
+  CHECK(job.find_group("processor") == &job.groups[1]);
+  CHECK(job.find_group("nope") == nullptr);
+}
+
+TEST_CASE("defaults", "[job]") {
+  Job job = parse("[job]\nplugin = \"/abs/libx.so\"\n[[group]]\nname = \"g\"\nranks = 3\n");
+  CHECK(job.name == "job");  // the file's stem
+  CHECK(job.driver == "main");
+  CHECK(job.timeout_s == 600);
+  CHECK(job.plugin_path == "/abs/libx.so");
+  CHECK(job.groups[0].device == DeviceType::cpu);
+  CHECK(job.groups[0].mesh.dims().size() == 1);
+  CHECK(job.groups[0].mesh.size("dp") == 3);
+  CHECK_FALSE(job.notify);
+}
+
+TEST_CASE("mesh order overrides the layout", "[job]") {
+  Job job = parse(
+      kJob +
+      "[[group]]\nname = \"m\"\nranks = 4\nmesh = { dp = 2, tp = 2, order = [\"tp\", \"dp\"] }\n");
+  CHECK(job.groups[0].mesh.dims()[0].name == "tp");
+  CHECK(job.groups[0].mesh.groups("dp") == std::vector<std::vector<int>>{{0, 1}, {2, 3}});
+}
+
+TEST_CASE("syntax errors carry file:line:column", "[job]") {
+  CHECK_THAT(error_of("[job]\nplugin = \"x.so\"\nseed = = 3\n"),
+             Catch::StartsWith("jobs/job.toml:3:"));
+}
+
+TEST_CASE("unknown keys get a did-you-mean hint", "[job]") {
+  CHECK(error_of("[job]\nplugin = \"x.so\"\nsed = 3\n[[group]]\nname = \"g\"\nranks = 1\n") ==
+        "jobs/job.toml:3:7: unknown key \"sed\" in job; did you mean \"seed\"?");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nrank = 1\n") ==
+        "jobs/job.toml:6:8: unknown key \"rank\" in [[group]]; did you mean \"ranks\"?");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 4\nmesh = { dp = 2, tpp = 2 }\n") ==
+        "jobs/job.toml:7:24: unknown key \"tpp\" in mesh; did you mean \"tp\"?");
+  CHECK(error_of(kJob + "[[grup]]\nname = \"g\"\n") ==
+        "jobs/job.toml:4:1: unknown section or key \"grup\"; did you mean \"group\"?");
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 1\nzzzzzzzz = 1\n"),
+             Catch::Contains("allowed: name, ranks, device, gpus_per_worker, mesh"));
+}
+
+TEST_CASE("missing sections and keys say what to add", "[job]") {
+  CHECK(error_of("[[group]]\nname = \"g\"\nranks = 1\n") ==
+        "jobs/job.toml: missing [job] section; add one with at least plugin = \"libNAME.so\"");
+  CHECK(error_of("[job]\nname = \"x\"\n[[group]]\nname = \"g\"\nranks = 1\n") ==
+        "jobs/job.toml: [job] has no plugin; add plugin = \"libNAME.so\" (a path relative to the "
+        "job file)");
+  CHECK_THAT(error_of(kJob), Catch::Contains("no [[group]] defined"));
+  CHECK_THAT(error_of(kJob + "[[group]]\nranks = 1\n"), Catch::Contains("[[group]] has no name"));
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"g\"\n"),
+             Catch::Contains("group \"g\" has no ranks; add ranks = N"));
+}
+
+TEST_CASE("wrong types and values", "[job]") {
+  CHECK(
+      error_of("[job]\nplugin = \"x.so\"\nseed = \"abc\"\n[[group]]\nname = \"g\"\nranks = 1\n") ==
+      "jobs/job.toml:3:8: job.seed must be an integer, not a string");
+  CHECK(error_of(
+            "[job]\nplugin = \"x.so\"\nmode = \"lokal\"\n[[group]]\nname = \"g\"\nranks = 1\n") ==
+        "jobs/job.toml:3:8: job.mode must be \"local\" or \"remote\", not \"lokal\"; did you mean "
+        "\"local\"?");
+  CHECK(error_of("[job]\nplugin = \"x.so\"\ntimeout_s = 0\n[[group]]\nname = \"g\"\nranks = 1\n") ==
+        "jobs/job.toml:3:13: job.timeout_s must be greater than 0");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 1\ndevice = \"gpu\"\n") ==
+        "jobs/job.toml:7:10: group \"g\": device must be \"cpu\" or \"cuda\", not \"gpu\"; did you "
+        "mean \"cpu\"?");
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 1\ndevice = \"npu\"\n"),
+             Catch::Contains("device \"npu\" is reserved"));
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 0\n") ==
+        "jobs/job.toml:6:9: group.g.ranks must be a positive integer, not 0");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = [1, 1]\n") ==
+        "jobs/job.toml:6:13: group \"g\": rank 1 is listed twice");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 2\ngpus_per_worker = 2\n") ==
+        "jobs/job.toml:7:19: group \"g\": gpus_per_worker applies to cuda groups only; set device "
+        "= \"cuda\" or "
+        "remove it");
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"a b\"\nranks = 1\n"),
+             Catch::Contains("have no spaces"));
+  CHECK_THAT(error_of("[job]\nplugin = \"x.so\"\naddress = \"head:7100\"\n[[group]]\nname = "
+                      "\"g\"\nranks = 1\n"),
+             Catch::Contains("job.address must look like tcp://HOST:PORT"));
+}
+
+TEST_CASE("overlapping ranks and duplicate groups", "[job]") {
+  CHECK(error_of(kJob + "[[group]]\nname = \"sampler\"\nranks = [2, 3]\n"
+                        "[[group]]\nname = \"model\"\nranks = [0, 1, 2, 3]\n") ==
+        "jobs/job.toml:9:9: group \"model\": ranks overlap group \"sampler\" (rank 2); give each "
+        "group its own "
+        "ranks");
+  CHECK(
+      error_of(kJob + "[[group]]\nname = \"a\"\nranks = 1\n[[group]]\nname = \"a\"\nranks = 1\n") ==
+      "jobs/job.toml:7:1: group \"a\" is defined twice; give each [[group]] a unique name");
+}
+
+TEST_CASE("mesh errors", "[job]") {
+  CHECK(error_of(kJob + "[[group]]\nname = \"m\"\nranks = 4\nmesh = { dp = 2, tp = 3 }\n") ==
+        "jobs/job.toml:7:8: group \"m\": mesh dp=2 × tp=3 has 6 ranks but the group has 4 workers; "
+        "make the sizes "
+        "multiply to 4");
+  CHECK(
+      error_of(kJob + "[[group]]\nname = \"m\"\nranks = 6\nmesh = { dp = 3, tp = 2, ep = 2 }\n") ==
+      "jobs/job.toml:7:31: group \"m\": ep=2 must divide dp x fsdp = 3");
+  CHECK(error_of(
+            kJob +
+            "[[group]]\nname = \"m\"\nranks = 4\nmesh = { dp = 2, tp = 2, order = [\"dp\"] }\n") ==
+        "jobs/job.toml:7:34: group \"m\": mesh order must name every dimension of the mesh exactly "
+        "once");
+  CHECK_THAT(
+      error_of(kJob +
+               "[[group]]\nname = \"m\"\nranks = 4\nmesh = { dp = 4, order = [\"dp\", \"pp\"] }\n"),
+      Catch::Contains("mesh order names \"pp\", which is not a dimension of this mesh"));
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"m\"\nranks = 4\nmesh = { ep = 1 }\n"),
+             Catch::Contains("mesh has no dimensions"));
+  CHECK_THAT(error_of(kJob + "[[group]]\nname = \"m\"\nranks = 4\nmesh = { dp = 0, tp = 4 }\n"),
+             Catch::Contains("group.m.mesh.dp must be a positive integer, not 0"));
+}
+
+TEST_CASE("notify errors", "[job]") {
+  const std::string g = "[[group]]\nname = \"g\"\nranks = 1\n";
+  CHECK_THAT(error_of(kJob + g + "[notify]\nkind = \"json\"\n"),
+             Catch::Contains("[notify] has no webhook"));
+  CHECK_THAT(error_of(kJob + g + "[notify]\nwebhook = \"ftp://x\"\n"),
+             Catch::Contains("must be an http:// or https:// URL"));
+  CHECK_THAT(error_of(kJob + g + "[notify]\nwebhook = \"http://x\"\nkind = \"slack\"\n"),
+             Catch::Contains("notify.kind must be \"json\" or \"dingtalk\", not \"slack\""));
+  CHECK_THAT(error_of(kJob + g + "[notify]\nwebhook = \"http://x\"\nsecret = \"s\"\n"),
+             Catch::Contains("notify.secret signs DingTalk requests"));
+}
+
+TEST_CASE("--set overrides apply after the file and are validated", "[job]") {
+  const std::string text =
+      kJob + "seed = 1\n[[group]]\nname = \"model\"\nranks = 2\n[args]\nlr = 0.1\n";
+  Job job = parse(
+      text, {parse_override("job.seed=7"), parse_override("args.lr=0.5"),
+             parse_override("args.tag=hello world"), parse_override("group.model.ranks=4"),
+             parse_override("group.model.mesh.tp=2"), parse_override("group.model.mesh.dp=2")});
+  CHECK(job.seed == 7);
+  CHECK(job.args["lr"].value<double>() == 0.5);
+  CHECK(job.args["tag"].value<std::string>() == "hello world");
+  CHECK(job.groups[0].workers() == 4);
+  CHECK(job.groups[0].mesh.dimensions_text() == "dp=2 × tp=2");
+
+  CHECK(error_of(text, {parse_override("job.seed=abc")}) ==
+        "--set job.seed: job.seed must be an integer, not a string");
+  CHECK(error_of(text, {parse_override("job.sed=1")}) ==
+        "--set job.sed: unknown key \"sed\" in job; did you mean \"seed\"?");
+  CHECK(error_of(text, {parse_override("group.modle.ranks=1")}) ==
+        "--set group.modle.ranks: jobs/job.toml has no group \"modle\"; did you mean \"model\"?");
+  CHECK_THROWS_WITH(parse_override("job.seed"),
+                    Catch::StartsWith("--set job.seed: expected SECTION.KEY=VALUE"));
+  CHECK_THAT(error_of(text, {parse_override("seed=1")}), Catch::Contains("expected SECTION.KEY"));
+}
+
+TEST_CASE("load_job names a missing file", "[job]") {
+  CHECK_THROWS_WITH(load_job("/nonexistent/job.toml"),
+                    "/nonexistent/job.toml: no such job file; check the path");
+}
+
+TEST_CASE("closest_match", "[job]") {
+  CHECK(closest_match("sed", {"seed", "name"}) == "seed");
+  CHECK(closest_match("qqqqqq", {"seed", "name"}) == std::nullopt);
+}
