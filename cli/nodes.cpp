@@ -41,12 +41,16 @@ int run_nodes(const NodesOptions& o) {
                                 core::format_bytes(r.memory_bytes));
   fmt::print("{:<20} {:<6} {:>5}  {:>20}  {}\n", r.hostname, "ALIVE", r.cpus, mem, r.gpus.size());
   for (const auto& g : r.gpus) {
-    fmt::print("  gpu {:<3} {:<32} {}\n", g.index, g.name.empty() ? "(name unknown)" : g.name,
-               g.memory_bytes ? core::format_bytes(g.memory_bytes) : "");
+    std::string line =
+        fmt::format("  gpu {:<3} {:<32} {}", g.index, g.name.empty() ? "(name unknown)" : g.name,
+                    g.memory_bytes ? core::format_bytes(g.memory_bytes) : "");
+    fmt::print("{}\n", line.substr(0, line.find_last_not_of(' ') + 1));
   }
-  if (r.gpus.empty())
+  if (r.gpus.empty() && r.gpu_source == core::GpuSource::nvml) {
+    fmt::print("  no GPU visible (NVML lists none, or CUDA_VISIBLE_DEVICES hides them)\n");
+  } else if (r.gpus.empty()) {
     fmt::print("  no GPU found (no NVML driver library, no CUDA_VISIBLE_DEVICES)\n");
-  else
+  } else
     fmt::print("  GPUs found through {}\n", core::to_string(r.gpu_source));
   return 0;
 }

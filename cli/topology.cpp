@@ -51,7 +51,8 @@ void setup_topology(CLI::App& app, Action& action) {
                   "GPUs to plan for when none are found (no NVML, no CUDA_VISIBLE_DEVICES)")
       ->check(CLI::Range(0, 1 << 16));
   sub->add_option("--set", o->overrides,
-                  "Override a job file value: SECTION.KEY=VALUE (repeatable)");
+                  "Override a job file value: SECTION.KEY=VALUE (repeatable)")
+      ->allow_extra_args(false);
   sub->add_flag("--json", o->json, "Print the topology as JSON for scripts");
   sub->add_flag("--ascii", o->ascii, "Draw with plain ASCII instead of box-drawing characters");
   sub->callback([o, &action] { action = [o] { return run_topology(*o); }; });

@@ -96,8 +96,10 @@ class JobReader {
     throw ConfigError(fmt::format("{}: {}", where(n, path), msg));
   }
 
+  // `section` names the table in messages; `path` is its dotted path for --set locations.
   void check_keys(const toml::table& t, std::string_view section,
-                  const std::vector<std::string>& allowed) const {
+                  const std::vector<std::string>& allowed, std::string_view path = {}) const {
+    if (path.empty()) path = section;
     for (auto&& [k, v] : t) {
       if (std::find(allowed.begin(), allowed.end(), k.str()) != allowed.end()) continue;
       std::string msg = section.empty() ? fmt::format("unknown section or key \"{}\"", k.str())
@@ -109,7 +111,7 @@ class JobReader {
         for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
         msg += fmt::format("; allowed: {}", list);
       }
-      fail(v, join(section, k.str()), msg);
+      fail(v, join(path, k.str()), msg);
     }
   }
 
@@ -265,7 +267,9 @@ class JobReader {
   GroupSpec read_group(const toml::table& t, const std::string& path, int next_rank) {
     GroupSpec g;
     g.where = SourceRef{where(t, path)};
-    check_keys(t, "[[group]]", {"name", "ranks", "device", "gpus_per_worker", "mesh"});
+    auto declared_name = t["name"].value<std::string>();
+    check_keys(t, "[[group]]", {"name", "ranks", "device", "gpus_per_worker", "mesh"},
+               declared_name ? "group." + *declared_name : path);
     const toml::node* name = t.get("name");
     if (!name)
       throw ConfigError(
@@ -349,7 +353,7 @@ class JobReader {
     std::vector<std::string> allowed = DeviceMesh::canonical_dims();
     allowed.push_back("ep");
     allowed.push_back("order");
-    check_keys(t, "mesh", allowed);
+    check_keys(t, "mesh", allowed, path);
     std::map<std::string, int> sizes;
     int ep = 1;
     const toml::node* ep_node = nullptr;
@@ -493,8 +497,19 @@ void apply_override(toml::table& root, const Override& o, const std::string& fil
   try {
     holder = toml::parse("v = " + o.value, label);
   } catch (const toml::parse_error&) {
-    holder = toml::table{};  // not a TOML value: take it as a plain string
-    holder.insert("v", o.value);
+    // Not a TOML value: take it as a plain string, still located at the override.
+    std::string quoted = "v = \"";
+    for (unsigned char ch : o.value) {
+      if (ch == '"' || ch == '\\') {
+        quoted += '\\';
+        quoted += static_cast<char>(ch);
+      } else if (ch < 0x20 || ch == 0x7f) {
+        quoted += fmt::format("\\u{:04x}", ch);
+      } else {
+        quoted += static_cast<char>(ch);
+      }
+    }
+    holder = toml::parse(quoted + "\"", label);
   }
   target->insert_or_assign(parts.back(), *holder.get("v"));
 }

@@ -78,9 +78,12 @@ void plan_remote(const Job& job, Placement& p) {
               fmt::format("{}: group \"{}\": gpus_per_worker = {} exceeds nproc_per_node = {}",
                           g.where.text, g.name, g.gpus_per_worker, job.nproc_per_node));
         }
+        // A worker of k GPUs takes GPU slots [r*k, r*k+k): with k = 1 this is node r /
+        // nproc_per_node, GPU r % nproc_per_node.
         int r = g.ranks[i];
-        w.node = r / job.nproc_per_node;
-        int first = (r % job.nproc_per_node);
+        int slot = r * g.gpus_per_worker;
+        w.node = slot / job.nproc_per_node;
+        int first = slot % job.nproc_per_node;
         if (first + g.gpus_per_worker > job.nproc_per_node) {
           throw ConfigError(
               fmt::format("{}: group \"{}\": rank {} with {} GPUs crosses a node boundary "

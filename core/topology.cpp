@@ -259,8 +259,9 @@ std::string render_topology(const Job& job, const Placement& p, TopologyStyle st
     if (p.local.gpu_source != GpuSource::none)
       summary += fmt::format(" ({})", to_string(p.local.gpu_source));
   } else {
-    summary += fmt::format(" {} {} node{} of {} GPUs (planned)", g.h, p.nodes.size(),
-                           p.nodes.size() == 1 ? "" : "s", job.nproc_per_node);
+    summary += fmt::format(" {} {} node{}", g.h, p.nodes.size(), p.nodes.size() == 1 ? "" : "s");
+    if (job.nproc_per_node) summary += fmt::format(" of {} GPUs", job.nproc_per_node);
+    summary += " (planned)";
   }
   Canvas tmp(g);
   std::string out = c.text() + tmp.fit(summary, kWidth) + "\n";

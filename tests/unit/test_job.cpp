@@ -226,6 +226,11 @@ TEST_CASE("--set overrides apply after the file and are validated", "[job]") {
 
   CHECK(error_of(text, {parse_override("job.seed=abc")}) ==
         "--set job.seed: job.seed must be an integer, not a string");
+  CHECK(error_of(text, {parse_override("group.model.devce=gpu")}) ==
+        "--set group.model.devce: unknown key \"devce\" in [[group]]; did you mean \"device\"?");
+  CHECK(
+      parse(text, {parse_override("args.quote=say \"hi\"\\")}).args["quote"].value<std::string>() ==
+      "say \"hi\"\\");
   CHECK(error_of(text, {parse_override("job.sed=1")}) ==
         "--set job.sed: unknown key \"sed\" in job; did you mean \"seed\"?");
   CHECK(error_of(text, {parse_override("group.modle.ranks=1")}) ==
