@@ -15,8 +15,11 @@ int main(int argc, char** argv) {
       "Run `twinkle COMMAND --help` for a command's options; man twinkle for the whole story.");
 
   twinkle::cli::Action action;
+  twinkle::cli::setup_run(app, action);
   twinkle::cli::setup_topology(app, action);
   twinkle::cli::setup_nodes(app, action);
+  twinkle::cli::setup_inspect(app, action);
+  twinkle::cli::setup_worker(app, action);
 
   try {
     app.parse(argc, argv);

@@ -89,6 +89,61 @@ PY
       expect_out "Usage"
     done
     ;;
+  inspect)
+    PLUGIN=$4
+    run 0 "$TWK" inspect "$PLUGIN"
+    expect_out "plugin hello 1.0.0"
+    expect_out "class Model (execute all)"
+    grep -qE "^  by_data_rank +slice_dp +all +flatten +job$" "$TMP/out" || fail "by_data_rank row is wrong"
+    grep -qE "^  leader +all +first +first +job$" "$TMP/out" || fail "leader row is wrong"
+    grep -qE "^  stage +all +all +last_pp +job$" "$TMP/out" || fail "stage row is wrong"
+    expect_out "drivers: main"
+    run 0 "$TWK" inspect --json "$PLUGIN"
+    python3 - "$TMP/out" <<'PY' || fail "inspect --json is not the expected JSON"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["name"] == "hello" and j["abi_version"] == 1
+model = next(c for c in j["classes"] if c["name"] == "Model")
+words = next(m for m in model["methods"] if m["name"] == "words")
+assert words["dispatch"] == "custom" and words["custom_dispatch"] == "every_other", words
+assert words["collect"] == "custom" and words["custom_collect"] == "join_lines", words
+assert j["drivers"] == ["main"]
+PY
+    echo "not a plugin" >"$TMP/notes.txt"
+    run 3 "$TWK" inspect "$TMP/notes.txt"
+    expect_err "notes.txt: not a shared library (no ELF header)"
+    run 3 "$TWK" inspect "$TMP/absent.so"
+    expect_err "absent.so: no such plugin file"
+    ;;
+  sdk_out_of_tree)
+    # Install into a staging folder and build a plugin with nothing but pkg-config's flags.
+    BUILD=$4
+    meson install -C "$BUILD" --no-rebuild --destdir "$TMP/dest" >"$TMP/install.log" 2>&1 ||
+      { cat "$TMP/install.log"; fail "meson install failed"; }
+    pc=$(find "$TMP/dest" -name twinkle-plugin.pc | head -1)
+    [ -n "$pc" ] || fail "no twinkle-plugin.pc installed"
+    prefix=$(sed -n "s/^prefix=//p" "$pc")
+    cflags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --define-variable=prefix="$TMP/dest$prefix" --cflags --libs twinkle-plugin) ||
+      fail "pkg-config cannot read twinkle-plugin.pc"
+    cat >"$TMP/mine.cpp" <<'CPP'
+#include <twinkle/plugin.hpp>
+struct Counter {
+  explicit Counter(twinkle::Context&) {}
+  int twice(twinkle::Context&, int x) { return 2 * x; }
+};
+TWINKLE_CLASS(Counter, twinkle::execute::all);
+TWINKLE_METHOD(Counter, twice, twinkle::dispatch::all, twinkle::collect::sum);
+TWINKLE_DRIVER(main, twinkle::Driver& d) { d.log("hi"); }
+TWINKLE_PLUGIN("mine", "0.0.1");
+CPP
+    # shellcheck disable=SC2086
+    c++ -shared -fPIC $cflags "$TMP/mine.cpp" -o "$TMP/libmine.so" || fail "the out-of-tree plugin does not build"
+    exports=$(nm -D --defined-only "$TMP/libmine.so" | awk '{print $3}')
+    [ "$exports" = "twinkle_plugin_v1" ] || fail "the plugin exports more than its entry symbol: $exports"
+    run 0 "$TWK" inspect "$TMP/libmine.so"
+    expect_out "plugin mine 0.0.1"
+    grep -qE "^  twice +all +all +sum +job$" "$TMP/out" || fail "twice row is wrong"
+    ;;
   *) fail "unknown case $3" ;;
 esac
 echo "ok: $3"

@@ -1,0 +1,61 @@
+#include <string>
+#include <vector>
+
+#include "cli/commands.hpp"
+#include "core/driver.hpp"
+#include "core/worker.hpp"
+
+namespace twinkle::cli {
+
+namespace {
+
+struct RunCliOptions {
+  std::string job_file;
+  std::vector<std::string> overrides;
+  std::optional<int> gpus;
+  std::string log_dir;
+  bool quiet = false;
+  bool ascii = false;
+};
+
+int run_run(const RunCliOptions& o) {
+  core::RunOptions r;
+  r.job_file = o.job_file;
+  for (const auto& s : o.overrides) r.overrides.push_back(core::parse_override(s));
+  r.gpus = o.gpus;
+  if (!o.log_dir.empty()) r.log_dir = o.log_dir;
+  r.quiet = o.quiet;
+  r.ascii = o.ascii;
+  return core::run_job(r);
+}
+
+}  // namespace
+
+void setup_run(CLI::App& app, Action& action) {
+  auto o = std::make_shared<RunCliOptions>();
+  auto* sub = app.add_subcommand(
+      "run", "Run a job: start its workers, run the plugin's driver entry, clean up");
+  sub->add_option("job", o->job_file, "The job file (TOML)")->required();
+  sub->add_option("--set", o->overrides,
+                  "Override a job file value: SECTION.KEY=VALUE (repeatable)")
+      ->allow_extra_args(false);
+  sub->add_option("--gpus", o->gpus,
+                  "GPUs to use when none are found (no NVML, no CUDA_VISIBLE_DEVICES)")
+      ->check(CLI::Range(0, 1 << 16));
+  sub->add_option("--log-dir", o->log_dir, "Also keep each worker's output in DIR/GROUP-RANK.log");
+  sub->add_flag("--quiet", o->quiet, "Show only the driver's output, not the workers'");
+  sub->add_flag("--ascii", o->ascii, "Draw the topology with plain ASCII");
+  sub->callback([o, &action] { action = [o] { return run_run(*o); }; });
+}
+
+void setup_worker(CLI::App& app, Action& action) {
+  auto o = std::make_shared<core::WorkerOptions>();
+  auto* sub = app.add_subcommand("worker", "Internal: a worker process, started by `twinkle run`");
+  sub->group("");  // not listed in --help: never typed by hand
+  sub->add_option("--endpoint", o->endpoint, "The driver's control socket")->required();
+  sub->add_option("--plugin", o->plugin, "The plugin to load")->required();
+  sub->add_option("--run-dir", o->run_dir, "The run's private directory");
+  sub->callback([o, &action] { action = [o] { return core::run_worker(*o); }; });
+}
+
+}  // namespace twinkle::cli

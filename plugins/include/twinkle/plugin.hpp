@@ -1,0 +1,672 @@
+// The Twinkle plugin SDK: what plugin authors write against. Header-only; a plugin includes this
+// and links nothing of Twinkle's. Everything here turns C++ into the C ABI of <twinkle/plugin.h>.
+//
+//   struct Model {
+//     explicit Model(twinkle::Context& ctx);
+//     twinkle::Value train_step(twinkle::Context& ctx, const twinkle::Value& batch);
+//   };
+//   TWINKLE_CLASS(Model, twinkle::execute::all);
+//   TWINKLE_METHOD(Model, train_step, twinkle::dispatch::slice_dp, twinkle::collect::mean);
+//   TWINKLE_DRIVER(main, twinkle::Driver& d) {
+//     auto model = d.create<Model>("model");
+//     auto loss = model.call("train_step", batch);   // a LazyCollect, at once
+//     d.log("loss {}", loss.get()["loss"].as<double>());
+//   }
+//   TWINKLE_PLUGIN("digits", "1.0.0");
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "twinkle/plugin.h"
+#include "twinkle/value.hpp"
+
+namespace twinkle {
+
+// A remote call failed: a worker raised, died or timed out. The message starts with
+// "[twinkle driver caller: FILE:LINE]" and names class.method, group, rank, host and pid.
+class RemoteError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The metadata of a remote method (DESIGN.md section 5).
+namespace dispatch {
+struct Spec {
+  std::int32_t kind;
+  const char* fn = nullptr;
+};
+inline constexpr Spec all{TWK_DISPATCH_ALL};
+inline constexpr Spec slice{TWK_DISPATCH_SLICE};
+inline constexpr Spec slice_dp{TWK_DISPATCH_SLICE_DP};
+// A function registered with TWINKLE_DISPATCHER(name, ...).
+constexpr Spec custom(const char* name) { return {TWK_DISPATCH_CUSTOM, name}; }
+}  // namespace dispatch
+
+namespace execute {
+struct Spec {
+  std::int32_t kind;
+};
+inline constexpr Spec all{TWK_EXECUTE_ALL};
+inline constexpr Spec first{TWK_EXECUTE_FIRST};
+inline constexpr Spec peer{TWK_EXECUTE_PEER};
+}  // namespace execute
+
+namespace collect {
+struct Spec {
+  std::int32_t kind;
+  const char* fn = nullptr;
+};
+inline constexpr Spec none{TWK_COLLECT_NONE};
+inline constexpr Spec mean{TWK_COLLECT_MEAN};
+inline constexpr Spec sum{TWK_COLLECT_SUM};
+inline constexpr Spec first{TWK_COLLECT_FIRST};
+inline constexpr Spec last_pp{TWK_COLLECT_LAST_PP};
+inline constexpr Spec flatten{TWK_COLLECT_FLATTEN};
+// A function registered with TWINKLE_COLLECTOR(name, ...).
+constexpr Spec custom(const char* name) { return {TWK_COLLECT_CUSTOM, name}; }
+}  // namespace collect
+
+// A per-call timeout for TWINKLE_METHOD, in seconds.
+struct timeout {
+  double seconds;
+};
+
+namespace detail {
+
+// "{}" placeholders replaced by the arguments in order (values via repr()).
+inline void format_into(std::ostringstream& out, std::string_view fmt) { out << fmt; }
+template <class A, class... R>
+void format_into(std::ostringstream& out, std::string_view fmt, A&& a, R&&... rest) {
+  auto at = fmt.find("{}");
+  if (at == std::string_view::npos) {
+    out << fmt;
+    return;
+  }
+  out << fmt.substr(0, at);
+  if constexpr (std::is_same_v<std::decay_t<A>, Value>) {
+    out << (a.is_string() ? a.template as<std::string>() : a.repr());
+  } else {
+    out << a;
+  }
+  format_into(out, fmt.substr(at + 2), std::forward<R>(rest)...);
+}
+
+template <class... A>
+std::string format(std::string_view fmt, A&&... args) {
+  std::ostringstream out;
+  format_into(out, fmt, std::forward<A>(args)...);
+  return out.str();
+}
+
+// "train.cpp" of "../src/train.cpp": call sites are reported by file name.
+inline std::string base_name(const char* path) {
+  std::string_view p(path ? path : "?");
+  auto slash = p.find_last_of('/');
+  return std::string(slash == std::string_view::npos ? p : p.substr(slash + 1));
+}
+
+inline std::string caller_prefix(const std::source_location& where) {
+  return "[twinkle driver caller: " + base_name(where.file_name()) + ":" + std::to_string(where.line()) + "] ";
+}
+
+inline void set_error(twk_sink_v1* sink, const char* message) {
+  if (sink && sink->set_error) sink->set_error(sink->target, message);
+}
+
+inline void emit(twk_sink_v1* sink, const Value& v) {
+  EncodedValue e = encode(v);
+  if (sink && sink->set_value) sink->set_value(sink->target, e.view());
+}
+
+// Runs `f`, turning every exception into TWK_ERROR plus a message: nothing crosses the ABI.
+template <class F>
+std::int32_t guard(twk_sink_v1* err, F&& f) noexcept {
+  try {
+    f();
+    return TWK_OK;
+  } catch (const std::exception& e) {
+    set_error(err, e.what());
+  } catch (...) {
+    set_error(err, "unknown exception (not derived from std::exception)");
+  }
+  return TWK_ERROR;
+}
+
+// Collects what a host function writes to a sink.
+struct SinkTarget {
+  std::optional<Value> value;
+  std::string error;
+  bool failed = false;
+
+  twk_sink_v1 sink() {
+    return twk_sink_v1{
+        this,
+        [](void* t, const twk_value_v1* v) { static_cast<SinkTarget*>(t)->value = decode(*v); },
+        [](void* t, const char* m) {
+          auto* s = static_cast<SinkTarget*>(t);
+          s->failed = true;
+          s->error = m ? m : "";
+        }};
+  }
+};
+
+}  // namespace detail
+
+// A device mesh as the host describes it: named dims, per-rank coordinates, data ranks.
+class Mesh {
+ public:
+  Mesh() = default;
+  explicit Mesh(const twk_mesh_v1* m) : m_(m) {}
+
+  bool valid() const { return m_ != nullptr; }
+  int world_size() const { return m_ ? m_->world_size : 1; }
+  int data_world() const { return m_ ? m_->data_world : 1; }
+  int ep() const { return m_ ? m_->ep : 1; }
+  std::vector<std::string> dims() const {
+    std::vector<std::string> out;
+    for (std::uint32_t i = 0; m_ && i < m_->ndims; ++i) out.emplace_back(m_->dim_names[i]);
+    return out;
+  }
+  // Size of a dimension ("ep" included); 1 for one the mesh does not have.
+  int size(std::string_view dim) const {
+    if (dim == "ep") return ep();
+    int i = index_of(dim);
+    return i < 0 ? 1 : m_->dim_sizes[i];
+  }
+  // `rank`'s coordinate along `dim`; 0 for a dimension the mesh does not have.
+  int coord(int rank, std::string_view dim) const {
+    check(rank);
+    if (dim == "ep") return data_rank(rank) % ep();
+    int i = index_of(dim);
+    return i < 0 ? 0 : m_->coords[static_cast<std::size_t>(rank) * m_->ndims + i];
+  }
+  int data_rank(int rank) const {
+    check(rank);
+    return m_ ? m_->data_ranks[rank] : 0;
+  }
+
+ private:
+  int index_of(std::string_view dim) const {
+    for (std::uint32_t i = 0; m_ && i < m_->ndims; ++i) {
+      if (dim == m_->dim_names[i]) return static_cast<int>(i);
+    }
+    return -1;
+  }
+  void check(int rank) const {
+    if (rank < 0 || rank >= world_size()) {
+      throw ValueError("rank " + std::to_string(rank) + " is outside the mesh of " +
+                       std::to_string(world_size()));
+    }
+  }
+  const twk_mesh_v1* m_ = nullptr;
+};
+
+// Where a constructor or method runs: rank, group, mesh, job args, log. Valid for the duration of
+// the call it is passed to; do not keep it.
+class Context {
+ public:
+  Context(const twk_host_v1* host, const twk_context_v1* ctx)
+      : host_(host), ctx_(ctx), mesh_(ctx->mesh) {}
+
+  int rank() const { return ctx_->rank; }
+  int world_size() const { return ctx_->world_size; }
+  int local_rank() const { return ctx_->local_rank; }
+  int local_world_size() const { return ctx_->local_world_size; }
+  std::string_view job() const { return ctx_->job ? ctx_->job : ""; }
+  std::string_view group() const { return ctx_->group ? ctx_->group : ""; }
+  std::string_view device() const { return ctx_->device ? ctx_->device : "cpu"; }
+  const Mesh& mesh() const { return mesh_; }
+  // This rank's coordinate and the size along a mesh dimension ("dp", "tp", "ep", ...).
+  int rank_in(std::string_view dim) const { return mesh_.coord(rank(), dim); }
+  int size_of(std::string_view dim) const { return mesh_.size(dim); }
+  int data_rank() const { return mesh_.data_rank(rank()); }
+  int data_world() const { return mesh_.data_world(); }
+
+  // The job's [args].
+  const Value& args() const {
+    if (!args_) args_ = ctx_->args ? decode(*ctx_->args) : Value::map();
+    return *args_;
+  }
+
+  // "{}" placeholders, e.g. ctx.log("step {} loss {}", step, loss).
+  template <class... A>
+  void log(std::string_view fmt, A&&... args) const {
+    log_at(TWK_LOG_INFO, detail::format(fmt, std::forward<A>(args)...));
+  }
+  void log_at(std::int32_t level, const std::string& message) const {
+    if (host_ && host_->log) host_->log(ctx_->host_ctx, level, message.c_str());
+  }
+
+  const twk_host_v1* host() const { return host_; }
+  const twk_context_v1* raw() const { return ctx_; }
+
+ private:
+  const twk_host_v1* host_;
+  const twk_context_v1* ctx_;
+  Mesh mesh_;
+  mutable std::optional<Value> args_;
+};
+
+// The result of a remote call, available at once; get() blocks until the workers answered and
+// their results were collected, and throws RemoteError if the call failed. Move-only.
+class LazyCollect {
+ public:
+  LazyCollect(const twk_host_v1* host, void* host_ctx, std::uint64_t future)
+      : host_(host), host_ctx_(host_ctx), future_(future) {}
+  LazyCollect(LazyCollect&& o) noexcept { *this = std::move(o); }
+  LazyCollect& operator=(LazyCollect&& o) noexcept {
+    if (this != &o) {
+      drop();
+      host_ = o.host_;
+      host_ctx_ = o.host_ctx_;
+      future_ = std::exchange(o.future_, 0);
+      result_ = std::move(o.result_);
+      error_ = std::move(o.error_);
+    }
+    return *this;
+  }
+  LazyCollect(const LazyCollect&) = delete;
+  LazyCollect& operator=(const LazyCollect&) = delete;
+  ~LazyCollect() { drop(); }
+
+  const Value& get() {
+    if (future_) {
+      detail::SinkTarget t;
+      twk_sink_v1 sink = t.sink();
+      std::uint64_t f = std::exchange(future_, 0);
+      if (host_->wait(host_ctx_, f, &sink) != TWK_OK || t.failed) {
+        error_ = t.error.empty() ? "remote call failed" : t.error;
+      } else {
+        result_ = t.value ? std::move(*t.value) : Value();
+      }
+    }
+    if (error_) throw RemoteError(*error_);
+    return *result_;
+  }
+  const Value& operator()() { return get(); }
+  const Value* operator->() { return &get(); }
+  const Value& operator[](std::string_view key) { return get()[key]; }
+  template <class I>
+  requires std::is_integral_v<I>
+  const Value& operator[](I i) { return get()[i]; }
+  std::size_t size() { return get().size(); }
+  Value::List::const_iterator begin() { return get().begin(); }
+  Value::List::const_iterator end() { return get().end(); }
+
+ private:
+  void drop() noexcept {
+    if (future_ && host_ && host_->release) host_->release(host_ctx_, future_);
+    future_ = 0;
+  }
+  const twk_host_v1* host_ = nullptr;
+  void* host_ctx_ = nullptr;
+  std::uint64_t future_ = 0;
+  std::optional<Value> result_;
+  std::optional<std::string> error_;
+};
+
+// A method name plus the call site that names it, captured where call() is written.
+struct MethodRef {
+  std::string_view name;
+  std::source_location where;
+  MethodRef(const char* n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
+  MethodRef(std::string_view n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
+  MethodRef(const std::string& n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
+};
+
+// One instance of a class on every worker of a group.
+class Handle {
+ public:
+  Handle(const twk_host_v1* host, void* host_ctx, std::uint64_t id, std::string cls)
+      : host_(host), host_ctx_(host_ctx), id_(id), cls_(std::move(cls)) {}
+
+  // Starts the method on the group's workers and returns at once.
+  template <class... A>
+  LazyCollect call(MethodRef method, A&&... args) const {
+    EncodedValue e = encode(Value::list({Value(std::forward<A>(args))...}));
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    std::uint64_t future = 0;
+    const std::string name(method.name);
+    if (host_->call(host_ctx_, id_, name.c_str(), e.view(), method.where.file_name(),
+                    method.where.line(), &future, &sink) != TWK_OK) {
+      throw RemoteError(detail::caller_prefix(method.where) + cls_ + "." + name + ": " + t.error);
+    }
+    return LazyCollect(host_, host_ctx_, future);
+  }
+
+  const std::string& class_name() const { return cls_; }
+
+ private:
+  const twk_host_v1* host_;
+  void* host_ctx_;
+  std::uint64_t id_;
+  std::string cls_;
+};
+
+namespace detail {
+template <class Cls>
+struct ClassName;  // specialised by TWINKLE_CLASS
+}  // namespace detail
+
+// A group name plus the call site that names it, captured where create() is written.
+struct GroupRef {
+  std::string_view name;
+  std::source_location where;
+  GroupRef(const char* n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
+  GroupRef(std::string_view n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
+  GroupRef(const std::string& n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
+};
+
+// What a driver entry gets: create class instances on groups, the job's args, log.
+class Driver {
+ public:
+  Driver(const twk_host_v1* host, const twk_context_v1* ctx) : host_(host), ctx_(ctx) {}
+
+  // Constructs `cls` on every worker of `group` and waits until all are built; extra arguments go
+  // to its constructor as a list. Throws RemoteError if a constructor fails.
+  template <class... A>
+  Handle create(std::string_view cls, GroupRef group, A&&... args) const {
+    EncodedValue e = encode(Value::list({Value(std::forward<A>(args))...}));
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    std::uint64_t id = 0;
+    const std::string c(cls), g(group.name);
+    if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK) {
+      throw RemoteError(detail::caller_prefix(group.where) + t.error);
+    }
+    return Handle(host_, ctx_->host_ctx, id, c);
+  }
+  template <class Cls, class... A>
+  Handle create(GroupRef group, A&&... args) const {
+    return create(detail::ClassName<Cls>::value, group, std::forward<A>(args)...);
+  }
+
+  std::string_view job() const { return ctx_->job ? ctx_->job : ""; }
+  const Value& args() const {
+    if (!args_) args_ = ctx_->args ? decode(*ctx_->args) : Value::map();
+    return *args_;
+  }
+  template <class... A>
+  void log(std::string_view fmt, A&&... args) const {
+    std::string m = detail::format(fmt, std::forward<A>(args)...);
+    if (host_->log) host_->log(ctx_->host_ctx, TWK_LOG_INFO, m.c_str());
+  }
+
+ private:
+  const twk_host_v1* host_;
+  const twk_context_v1* ctx_;
+  mutable std::optional<Value> args_;
+};
+
+namespace detail {
+
+struct MethodEntry {
+  std::string name;
+  dispatch::Spec dispatch{TWK_DISPATCH_ALL};
+  collect::Spec collect{TWK_COLLECT_NONE};
+  std::int32_t execute = TWK_EXECUTE_CLASS;
+  double timeout_s = 0;
+  twk_invoke_fn invoke = nullptr;
+};
+
+struct ClassEntry {
+  std::string name;
+  std::int32_t execute = TWK_EXECUTE_ALL;
+  twk_construct_fn construct = nullptr;
+  twk_destruct_fn destruct = nullptr;
+  std::vector<MethodEntry> methods;
+};
+
+// Everything the registration macros declare, turned into the C tables on first request.
+struct Registry {
+  std::vector<ClassEntry> classes;
+  std::vector<twk_driver_v1> drivers;
+  std::vector<twk_dispatcher_v1> dispatchers;
+  std::vector<twk_collector_v1> collectors;
+  std::vector<std::string> names;  // keeps driver/dispatcher/collector names alive
+
+  std::vector<twk_class_v1> c_classes;
+  std::vector<std::vector<twk_method_v1>> c_methods;
+  twk_plugin_v1 table{};
+  bool built = false;
+
+  ClassEntry& class_named(const std::string& name) {
+    for (auto& c : classes) {
+      if (c.name == name) return c;
+    }
+    classes.emplace_back().name = name;
+    return classes.back();
+  }
+
+  const twk_plugin_v1* build(const char* name, const char* version) {
+    if (built) return &table;
+    c_methods.resize(classes.size());
+    for (std::size_t i = 0; i < classes.size(); ++i) {
+      for (const auto& m : classes[i].methods) {
+        c_methods[i].push_back(twk_method_v1{sizeof(twk_method_v1), m.name.c_str(), m.dispatch.kind,
+                                             m.execute, m.collect.kind, m.timeout_s, m.dispatch.fn,
+                                             m.collect.fn, m.invoke});
+      }
+      const auto& c = classes[i];
+      c_classes.push_back(twk_class_v1{sizeof(twk_class_v1), c.name.c_str(), c.execute, c.construct,
+                                       c.destruct, c_methods[i].data(),
+                                       static_cast<std::uint32_t>(c_methods[i].size())});
+    }
+    table = twk_plugin_v1{TWK_ABI_VERSION,
+                          sizeof(twk_plugin_v1),
+                          name,
+                          version,
+                          c_classes.data(),
+                          static_cast<std::uint32_t>(c_classes.size()),
+                          drivers.data(),
+                          static_cast<std::uint32_t>(drivers.size()),
+                          dispatchers.data(),
+                          static_cast<std::uint32_t>(dispatchers.size()),
+                          collectors.data(),
+                          static_cast<std::uint32_t>(collectors.size())};
+    built = true;
+    return &table;
+  }
+};
+
+inline Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+template <class T>
+struct member_fn;
+template <class C, class R, class... A>
+struct member_fn<R (C::*)(Context&, A...)> {
+  using ret = R;
+  static constexpr std::size_t arity = sizeof...(A);
+  using args = std::tuple<std::decay_t<A>...>;
+};
+template <class C, class R, class... A>
+struct member_fn<R (C::*)(Context&, A...) const> : member_fn<R (C::*)(Context&, A...)> {};
+
+template <class Cls, auto M, std::size_t... I>
+Value call_member(Cls& obj, Context& ctx, const Value& args, std::index_sequence<I...>) {
+  using traits = member_fn<decltype(M)>;
+  using R = typename traits::ret;
+  if constexpr (std::is_void_v<R>) {
+    (obj.*M)(ctx, args[I].template as<std::tuple_element_t<I, typename traits::args>>()...);
+    return Value();
+  } else {
+    return Value(
+        (obj.*M)(ctx, args[I].template as<std::tuple_element_t<I, typename traits::args>>()...));
+  }
+}
+
+template <class Cls, auto M>
+std::int32_t invoke(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
+                    const twk_value_v1* args, twk_sink_v1* out) {
+  return guard(out, [&] {
+    using traits = member_fn<decltype(M)>;
+    Context c(host, ctx);
+    Value list = decode(*args);
+    if (!list.is_list() || list.size() != traits::arity) {
+      throw ValueError("takes " + std::to_string(traits::arity) + " argument(s), got " +
+                       std::to_string(list.is_list() ? list.size() : 1));
+    }
+    emit(out, call_member<Cls, M>(*static_cast<Cls*>(self), c, list,
+                                  std::make_index_sequence<traits::arity>{}));
+  });
+}
+
+template <class Cls>
+std::int32_t construct(const twk_host_v1* host, const twk_context_v1* ctx, const twk_value_v1* args,
+                       void** self, twk_sink_v1* err) {
+  return guard(err, [&] {
+    Context c(host, ctx);
+    Value a = args ? decode(*args) : Value::list();
+    std::unique_ptr<Cls> obj;
+    if constexpr (std::is_constructible_v<Cls, Context&, const Value&>) {
+      obj = std::make_unique<Cls>(c, a);
+    } else if constexpr (std::is_constructible_v<Cls, Context&>) {
+      obj = std::make_unique<Cls>(c);
+    } else {
+      obj = std::make_unique<Cls>();
+    }
+    *self = obj.release();
+  });
+}
+
+template <class Cls>
+void destruct(void* self) {
+  std::unique_ptr<Cls> owned(static_cast<Cls*>(self));
+}
+
+struct ClassRegistrar {
+  ClassRegistrar(const char* name, execute::Spec e, twk_construct_fn c, twk_destruct_fn d) {
+    auto& r = registry();
+    ClassEntry* entry = &r.class_named(name);
+    if (entry->construct) {  // declared twice: keep both so that the loader reports it
+      entry = &r.classes.emplace_back();
+      entry->name = name;
+    }
+    entry->execute = e.kind;
+    entry->construct = c;
+    entry->destruct = d;
+  }
+};
+
+inline void apply_option(MethodEntry& m, execute::Spec e) { m.execute = e.kind; }
+inline void apply_option(MethodEntry& m, timeout t) { m.timeout_s = t.seconds; }
+
+struct MethodRegistrar {
+  template <class... Options>
+  MethodRegistrar(const char* cls, const char* name, twk_invoke_fn fn, dispatch::Spec d,
+                  collect::Spec c, Options... options) {
+    MethodEntry m;
+    m.name = name;
+    m.dispatch = d;
+    m.collect = c;
+    m.invoke = fn;
+    (apply_option(m, options), ...);
+    registry().class_named(cls).methods.push_back(std::move(m));
+  }
+};
+
+struct DriverRegistrar {
+  DriverRegistrar(const char* name, twk_driver_fn fn) { registry().drivers.push_back({name, fn}); }
+};
+struct DispatcherRegistrar {
+  DispatcherRegistrar(const char* name, twk_dispatch_fn fn) {
+    registry().dispatchers.push_back({name, fn});
+  }
+};
+struct CollectorRegistrar {
+  CollectorRegistrar(const char* name, twk_collect_fn fn) {
+    registry().collectors.push_back({name, fn});
+  }
+};
+
+}  // namespace detail
+}  // namespace twinkle
+
+#define TWK_CAT_(a, b) a##b
+#define TWK_CAT(a, b) TWK_CAT_(a, b)
+
+// Declares a class whose instances live on the workers of a group.
+#define TWINKLE_CLASS(Cls, execute_spec)                             \
+  template <>                                                        \
+  struct twinkle::detail::ClassName<Cls> {                           \
+    static constexpr const char* value = #Cls;                       \
+  };                                                                 \
+  static ::twinkle::detail::ClassRegistrar TWK_CAT(twk_class_, Cls)( \
+      #Cls, execute_spec, &::twinkle::detail::construct<Cls>, &::twinkle::detail::destruct<Cls>)
+
+// Declares a remote method: TWINKLE_METHOD(Cls, method, dispatch, collect[, execute][, timeout]).
+// The method's signature is R method(twinkle::Context&, A1, A2, ...) where each A converts from a
+// Value with as<A>() and R converts to a Value (void gives null).
+#define TWINKLE_METHOD(Cls, method, ...)                                                   \
+  static ::twinkle::detail::MethodRegistrar TWK_CAT(TWK_CAT(twk_method_, Cls), _##method)( \
+      #Cls, #method, &::twinkle::detail::invoke<Cls, &Cls::method>, __VA_ARGS__)
+
+// Declares a driver entry: TWINKLE_DRIVER(main, twinkle::Driver& d) { ... }
+#define TWINKLE_DRIVER(name, param)                                                               \
+  static void twk_driver_body_##name(param);                                                      \
+  static std::int32_t twk_driver_entry_##name(const twk_host_v1* host, const twk_context_v1* ctx, \
+                                              twk_sink_v1* err) {                                 \
+    return ::twinkle::detail::guard(err, [&] {                                                    \
+      ::twinkle::Driver driver(host, ctx);                                                        \
+      twk_driver_body_##name(driver);                                                             \
+    });                                                                                           \
+  }                                                                                               \
+  static ::twinkle::detail::DriverRegistrar twk_driver_reg_##name(#name,                          \
+                                                                  &twk_driver_entry_##name);      \
+  static void twk_driver_body_##name(param)
+
+// Declares a custom dispatch: TWINKLE_DISPATCHER(name, int n, int index, const twinkle::Mesh& mesh,
+// const twinkle::Value& args) { return args_for_worker_index; }
+#define TWINKLE_DISPATCHER(name, n_param, index_param, mesh_param, args_param)                    \
+  static ::twinkle::Value twk_dispatch_body_##name(n_param, index_param, mesh_param, args_param); \
+  static std::int32_t twk_dispatch_entry_##name(std::int32_t n, std::int32_t i,                   \
+                                                const twk_mesh_v1* m, const twk_value_v1* a,      \
+                                                twk_sink_v1* out) {                               \
+    return ::twinkle::detail::guard(out, [&] {                                                    \
+      ::twinkle::detail::emit(                                                                    \
+          out, twk_dispatch_body_##name(n, i, ::twinkle::Mesh(m), ::twinkle::decode(*a)));        \
+    });                                                                                           \
+  }                                                                                               \
+  static ::twinkle::detail::DispatcherRegistrar twk_dispatch_reg_##name(                          \
+      #name, &twk_dispatch_entry_##name);                                                         \
+  static ::twinkle::Value twk_dispatch_body_##name(n_param, index_param, mesh_param, args_param)
+
+// Declares a custom collect: TWINKLE_COLLECTOR(name, const std::vector<twinkle::Value>& results,
+// const twinkle::Mesh& mesh) { return combined; }
+#define TWINKLE_COLLECTOR(name, results_param, mesh_param)                                        \
+  static ::twinkle::Value twk_collect_body_##name(results_param, mesh_param);                     \
+  static std::int32_t twk_collect_entry_##name(const twk_value_v1* r, std::uint32_t n,            \
+                                               const twk_mesh_v1* m, twk_sink_v1* out) {          \
+    return ::twinkle::detail::guard(out, [&] {                                                    \
+      std::vector<::twinkle::Value> results;                                                      \
+      for (std::uint32_t i = 0; i < n; ++i) results.push_back(::twinkle::decode(r[i]));           \
+      ::twinkle::detail::emit(out, twk_collect_body_##name(results, ::twinkle::Mesh(m)));         \
+    });                                                                                           \
+  }                                                                                               \
+  static ::twinkle::detail::CollectorRegistrar twk_collect_reg_##name(#name,                      \
+                                                                      &twk_collect_entry_##name); \
+  static ::twinkle::Value twk_collect_body_##name(results_param, mesh_param)
+
+// Names the plugin and exports its entry symbol. Exactly once per plugin.
+#define TWINKLE_PLUGIN(name, version)                                                              \
+  extern "C" __attribute__((visibility("default"))) const twk_plugin_v1* twinkle_plugin_v1(void) { \
+    return ::twinkle::detail::registry().build(name, version);                                     \
+  }                                                                                                \
+  static_assert(true, "")

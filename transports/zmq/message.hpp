@@ -1,0 +1,58 @@
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "twinkle/value.hpp"
+
+namespace twinkle::transport {
+
+// Version of the control-channel protocol, checked at hello. Bump on any incompatible change.
+inline constexpr std::uint16_t kProtocolVersion = 1;
+
+enum class MsgType : std::uint16_t {
+  hello = 1,      // worker -> driver: {rank, group, pid, host}
+  welcome = 2,    // driver -> worker: {job, args, mesh, ...}
+  create = 3,     // driver -> worker, id = instance: {class, args}
+  created = 4,    // worker -> driver, id = instance: {ok, error}
+  call = 5,       // driver -> worker, id = call: {instance, method, args}
+  reply = 6,      // worker -> driver, id = call: {ok, value | error}
+  shutdown = 7,   // driver -> worker
+  kv_set = 8,     // worker -> driver: {key, value}   (rendezvous store)
+  kv_get = 9,     // worker -> driver, id = request: {key}
+  kv_value = 10,  // driver -> worker, id = request: {value}
+};
+
+const char* to_string(MsgType t);
+
+// One control-channel message. On the wire it is multipart:
+//   [header: 'T' 'W' 'K' 'P', u16 protocol version, u16 type, u64 id (little endian)]
+//   [body: msgpack]  [tensor table: msgpack [[dtype, [shape...]], ...]]  [one frame per tensor]
+// Tensor payloads are never copied into the body: sending references the tensor's memory (kept
+// alive until ZeroMQ is done with it), receiving makes tensors that view the received frames.
+struct Message {
+  MsgType type = MsgType::hello;
+  std::uint64_t id = 0;
+  Value body;
+};
+
+std::vector<zmq::message_t> encode_message(const Message& m);
+
+// Throws TransportError naming what is wrong: too few frames, a bad magic, another protocol
+// version, an unknown type, a malformed body or tensor table, a tensor frame of the wrong size.
+Message decode_message(std::vector<zmq::message_t>&& frames);
+
+// Sends on a DEALER (no identity) or ROUTER (with the peer's identity). Blocks only if the
+// socket's high-water mark is reached.
+void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity = nullptr);
+
+// Receives one message; nullopt when nothing arrived before `timeout_ms` (-1: wait forever).
+// With a ROUTER socket, `identity` receives the sender's identity.
+std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms,
+                                    std::string* identity = nullptr);
+
+}  // namespace twinkle::transport
