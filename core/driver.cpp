@@ -216,6 +216,7 @@ class JobRun {
         spec.env = base_env;
         const int n = gp.group->workers();
         auto set = [&](const std::string& k, const std::string& v) {
+          std::erase_if(spec.env, [&](const std::string& kv) { return kv.starts_with(k + "="); });
           spec.env.push_back(k + "=" + v);
         };
         set("RANK", std::to_string(w.index));
@@ -618,7 +619,7 @@ class JobRun {
         // The driver entry may be deep in plugin code that never returns to us: stop everything
         // from here and leave at once.
         std::fflush(stdout);
-        if (launcher_) launcher_->kill_all_now();
+        if (launcher_) launcher_->kill_and_reap();
         std::error_code ec;
         if (!run_dir_.empty()) std::filesystem::remove_all(run_dir_, ec);
         std::fprintf(stderr, "\ntwinkle: interrupted by %s; stopped all workers\n",

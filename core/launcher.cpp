@@ -91,7 +91,7 @@ void LocalLauncher::start(const std::vector<WorkerSpec>& workers) {
     if (pid == 0) {
       // Child: only async-signal-safe calls until exec.
       setpgid(0, group);
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      prctl(PR_SET_PDEATHSIG, SIGHUP);    // the worker's handler cleans up the run directory
       if (getppid() != parent) _exit(1);  // the driver is already gone
       sigset_t none;
       sigemptyset(&none);
@@ -282,6 +282,15 @@ std::vector<WorkerExit> LocalLauncher::exits() const {
 
 void LocalLauncher::kill_all_now() const noexcept {
   if (pgid_) kill(-pgid_, SIGKILL);
+}
+
+void LocalLauncher::kill_and_reap() noexcept {
+  kill_all_now();
+  for (pid_t pid : pids()) {
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
 }
 
 void LocalLauncher::stop(std::chrono::milliseconds grace) {

@@ -43,7 +43,7 @@ struct LaunchOptions {
 };
 
 // Starts local worker processes and watches them, like torchrun's agent:
-// - every worker gets PR_SET_PDEATHSIG(SIGTERM), so it dies with the driver, and all workers share
+// - every worker gets PR_SET_PDEATHSIG(SIGHUP), so it dies with the driver, and all workers share
 //   one process group, so one kill reaches them and their children;
 // - a monitor thread relays each worker's stdout/stderr line by line with a "[name] " prefix (and
 //   into --log-dir), reaps exits, and when a worker ends unexpectedly records it, reports it on
@@ -74,6 +74,9 @@ class LocalLauncher {
 
   // Async-signal-safe: SIGKILL to the whole worker process group.
   void kill_all_now() const noexcept;
+  // SIGKILL to the group, then reaps every worker (for a driver that is about to exit at once,
+  // so that no worker outlives it even as a zombie).
+  void kill_and_reap() noexcept;
 
   std::vector<pid_t> pids() const;
   std::size_t running() const;

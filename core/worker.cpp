@@ -24,18 +24,17 @@ namespace {
 using transport::Message;
 using transport::MsgType;
 
-// For the SIGTERM handler: what to remove when the driver died without cleaning up.
+// For the parent-death handler: what to remove when the driver died without cleaning up.
 char g_socket_path[4096];
 char g_run_dir[4096];
 
-extern "C" void on_sigterm(int) {
-  // Only async-signal-safe calls. A driver that was SIGKILLed leaves its run directory behind;
-  // the workers (told by PR_SET_PDEATHSIG) remove it on their way out.
-  if (getppid() == 1 || kill(getppid(), 0) != 0) {
-    if (g_socket_path[0]) unlink(g_socket_path);
-    if (g_run_dir[0]) rmdir(g_run_dir);
-  }
-  _exit(128 + SIGTERM);
+extern "C" void on_driver_death(int) {
+  // Only async-signal-safe calls. The launcher sets PR_SET_PDEATHSIG(SIGHUP) and stops workers
+  // with SIGTERM/SIGKILL, so SIGHUP here means the driver died (even SIGKILLed) and left its run
+  // directory behind: the workers remove it on their way out.
+  if (g_socket_path[0]) unlink(g_socket_path);
+  if (g_run_dir[0]) rmdir(g_run_dir);
+  _exit(128 + SIGHUP);
 }
 
 int env_int(const char* name, int fallback) {
@@ -238,8 +237,8 @@ int run_worker(const WorkerOptions& o) {
   }
   std::snprintf(g_run_dir, sizeof g_run_dir, "%s", o.run_dir.c_str());
   struct sigaction sa {};
-  sa.sa_handler = &on_sigterm;
-  sigaction(SIGTERM, &sa, nullptr);
+  sa.sa_handler = &on_driver_death;
+  sigaction(SIGHUP, &sa, nullptr);
 
   plugins::Plugin plugin = plugins::Plugin::load(o.plugin);
   Worker w(o, std::move(plugin));

@@ -64,7 +64,8 @@ void check_elf(const std::filesystem::path& path) {
   unsigned char h[20] = {};
   in.read(reinterpret_cast<char*>(h), sizeof h);
   if (in.gcount() < 4 || std::memcmp(h, ELFMAG, SELFMAG) != 0) {
-    throw PluginError(fmt::format("{}: not a shared library (no ELF header); build the plugin as a .so", p));
+    throw PluginError(
+        fmt::format("{}: not a shared library (no ELF header); build the plugin as a .so", p));
   }
   if (in.gcount() < static_cast<std::streamsize>(sizeof h)) {
     throw PluginError(fmt::format("{}: a truncated ELF file; rebuild the plugin", p));

@@ -116,7 +116,8 @@ inline std::string base_name(const char* path) {
 }
 
 inline std::string caller_prefix(const std::source_location& where) {
-  return "[twinkle driver caller: " + base_name(where.file_name()) + ":" + std::to_string(where.line()) + "] ";
+  return "[twinkle driver caller: " + base_name(where.file_name()) + ":" +
+         std::to_string(where.line()) + "] ";
 }
 
 inline void set_error(twk_sink_v1* sink, const char* message) {
@@ -366,9 +367,12 @@ struct ClassName;  // specialised by TWINKLE_CLASS
 struct GroupRef {
   std::string_view name;
   std::source_location where;
-  GroupRef(const char* n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
-  GroupRef(std::string_view n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
-  GroupRef(const std::string& n, std::source_location w = std::source_location::current()) : name(n), where(w) {}
+  GroupRef(const char* n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
+  GroupRef(std::string_view n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
+  GroupRef(const std::string& n, std::source_location w = std::source_location::current())
+      : name(n), where(w) {}
 };
 
 // What a driver entry gets: create class instances on groups, the job's args, log.

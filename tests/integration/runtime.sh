@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# Integration tests of `twinkle run` on the runtime fixture plugin: the environment of each rank,
+# every dispatch/execute/collect mode end to end, every failure, signals, and that nothing of a
+# run is left behind. Usage: runtime.sh TWINKLE_BINARY SOURCE_ROOT FIXTURE_PLUGIN CASE
+TWK=$1
+SRC=$2
+PLUGIN=$3
+source "$SRC/tests/integration/lib.sh"
+
+export TMPDIR="$TMP/run"  # where runs make their private directories
+mkdir -p "$TMPDIR"
+
+write_job() {
+  cat >"$TMP/job.toml" <<TOML
+[job]
+name = "runtime"
+plugin = "$PLUGIN"
+seed = 7
+timeout_s = 30
+$1
+[[group]]
+name = "a"
+ranks = 4
+mesh = { dp = 2, tp = 2 }
+
+[[group]]
+name = "b"
+ranks = 2
+mesh = { pp = 2 }
+$2
+[args]
+tag = "t"
+TOML
+}
+
+# Nothing of a run may remain: no worker process, no run directory.
+expect_clean() {
+  local deadline=$((SECONDS + 3))
+  while pgrep -r RSD -f -- "$TMPDIR" >/dev/null; do
+    [ $SECONDS -lt $deadline ] || { pgrep -af -- "$TMPDIR"; fail "worker processes left behind"; }
+    sleep 0.05
+  done
+  [ -z "$(ls -A "$TMPDIR")" ] || { ls -laR "$TMPDIR"; fail "the run directory was not removed"; }
+}
+
+# Starts the hang scenario in the background; sets DRIVER_PID and WORKER_PIDS once all are ready.
+start_hanging() {
+  write_job "" ""
+  "$TWK" run --set job.driver=hang "$TMP/job.toml" >"$TMP/out" 2>"$TMP/err" &
+  DRIVER_PID=$!
+  local deadline=$((SECONDS + 20))
+  until grep -q "ALL READY" "$TMP/out"; do
+    kill -0 $DRIVER_PID 2>/dev/null || { cat "$TMP/out" "$TMP/err"; fail "the run ended before it was ready"; }
+    [ $SECONDS -lt $deadline ] || fail "workers not ready in time"
+    sleep 0.05
+  done
+  WORKER_PIDS=$(sed -n 's/^\[[ab]:[0-9]\] READY pid=\([0-9]*\)$/\1/p' "$TMP/out")
+  [ "$(echo "$WORKER_PIDS" | wc -w)" -eq 6 ] || { cat "$TMP/out"; fail "expected 6 worker pids"; }
+}
+
+# Waits for the background driver to end; sets DRIVER_RC.
+wait_driver() {
+  local deadline=$((SECONDS + 5))
+  while kill -0 $DRIVER_PID 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || fail "twinkle did not stop"
+    sleep 0.02
+  done
+  wait $DRIVER_PID
+  DRIVER_RC=$?
+}
+
+# A process that ended but was not yet reaped by its new parent (a zombie) counts as gone.
+alive() { [ -e "/proc/$1" ] && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != "Z" ]; }
+
+workers_gone_within() {
+  local deadline_ms=$1 start
+  start=$(date +%s%N)
+  for pid in $WORKER_PIDS; do
+    while alive "$pid"; do
+      [ $((($(date +%s%N) - start) / 1000000)) -lt "$deadline_ms" ] || fail "worker $pid still runs after ${deadline_ms} ms"
+      sleep 0.02
+    done
+  done
+}
+
+case $4 in
+  env)
+    write_job "" $'[[group]]\nname = "c"\nranks = 2\ndevice = "cuda"\n'
+    CUDA_VISIBLE_DEVICES=5,6 OMP_NUM_THREADS= run 0 env -u OMP_NUM_THREADS "$TWK" run --set job.driver=env --log-dir "$TMP/logs" "$TMP/job.toml"
+    grep '^ENV ' "$TMP/out" | sed 's/^ENV //' >"$TMP/env.json"
+    python3 - "$TMP/env.json" <<'PY' || fail "the workers' environment is wrong"
+import json, sys
+e = json.load(open(sys.argv[1]))
+a, b = e["a"], e["b"]
+run_ids = {w["TWINKLE_RUN_ID"] for w in a + b}
+assert len(run_ids) == 1 and len(run_ids.pop()) == 8, "one run id for all"
+for group, ws, n in (("a", a, 4), ("b", b, 2)):
+    assert len(ws) == n
+    ports = {w["MASTER_PORT"] for w in ws}
+    assert len(ports) == 1, f"{group}: one MASTER_PORT per group"
+    for i, w in enumerate(ws):
+        assert w["RANK"] == str(i) and w["LOCAL_RANK"] == str(i), w
+        assert w["WORLD_SIZE"] == str(n) and w["LOCAL_WORLD_SIZE"] == str(n), w
+        assert w["GROUP_RANK"] == "0" and w["MASTER_ADDR"] == "127.0.0.1", w
+        assert w["TWINKLE_GROUP"] == group and w["TWINKLE_WORKER_NAME"] == f"{group}:{i}", w
+        assert w["TWINKLE_MODE"] == "local" and w["TWINKLE_SEED"] == "7", w
+        assert w["OMP_NUM_THREADS"] == "1", w
+        assert w["ctx_rank"] == i and w["ctx_world"] == n and w["args_tag"] == "t", w
+assert a[0]["MASTER_PORT"] != b[0]["MASTER_PORT"], "distinct MASTER_PORT per group"
+assert [w["data_rank"] for w in a] == [0, 0, 1, 1]
+# The cuda group's workers see the physical GPUs placed for them; cpu groups get none set.
+assert [w["CUDA_VISIBLE_DEVICES"] for w in e["c"]] == ["5", "6"], e["c"]
+PY
+    expect_out "[a:0] env asked"
+    expect_out "[c:1] env asked"
+    grep -q "env asked" "$TMP/logs/a-3.log" || fail "--log-dir has no a-3.log with the worker's output"
+    CUDA_VISIBLE_DEVICES=5,6 OMP_NUM_THREADS=3 run 0 "$TWK" run --quiet --set job.driver=env "$TMP/job.toml"
+    grep -q '^\[' "$TMP/out" && fail "--quiet still shows worker output"
+    grep '^ENV ' "$TMP/out" | sed 's/^ENV //' >"$TMP/env.json"
+    python3 - "$TMP/env.json" <<'PY' || fail "OMP_NUM_THREADS set by the user must be kept"
+import json, sys
+e = json.load(open(sys.argv[1]))
+assert all(w["OMP_NUM_THREADS"] == "3" for w in e["a"]), e["a"][0]
+PY
+    expect_clean
+    ;;
+  modes)
+    write_job "" ""
+    run 0 "$TWK" run --set job.driver=modes "$TMP/job.toml"
+    expect_out "ALL MODES OK"
+    expect_out "DEVICE PLACEMENT TOPOLOGY"
+    expect_clean
+    ;;
+  throws)
+    write_job "" ""
+    run 1 "$TWK" run --set job.driver=throws "$TMP/job.toml"
+    expect_err "twinkle: job \"runtime\" failed"
+    expect_err "root cause: [twinkle driver caller: runtime_plugin.cpp:"
+    expect_err "Probe.fail failed on group a rank 2 (host "
+    expect_err "deliberate failure on rank 2"
+    grep -q "root cause: .*pid [0-9]*)" "$TMP/err" || fail "the root cause does not name the pid"
+    expect_clean
+    ;;
+  abort|segv|exit)
+    write_job "" ""
+    case $4 in
+      abort) driver=abort_in_call rank=a:1 how="was killed by signal 6 (Aborted)" ;;
+      segv) driver=segv_in_call rank=a:3 how="was killed by signal 11 (Segmentation fault)" ;;
+      exit) driver=exit_in_call rank=a:0 how="exited with code 3" ;;
+    esac
+    run 1 "$TWK" run --set job.driver=$driver "$TMP/job.toml"
+    grep -q "root cause: worker $rank (pid [0-9]*) $how" "$TMP/err" || { cat "$TMP/err"; fail "no root cause for $rank"; }
+    expect_err "| about to $4 on rank ${rank#a:}"
+    [ "$(grep -c 'root cause' "$TMP/err")" -eq 1 ] || fail "more than one root cause"
+    expect_clean
+    ;;
+  idle_death)
+    write_job "" ""
+    run 1 "$TWK" run --set job.driver=idle_death "$TMP/job.toml"
+    expect_err "root cause: worker a:1"
+    expect_err "was killed by signal 6 (Aborted)"
+    expect_err "| dying now"
+    ms=$(sed -n 's/^NOTICED after \([0-9]*\) ms$/\1/p' "$TMP/out")
+    [ -n "$ms" ] || fail "the driver did not notice the death"
+    # die_later waits 100 ms; the death must reach the driver within a second of it.
+    [ "$ms" -lt 1100 ] || fail "the death was noticed after $ms ms"
+    expect_clean
+    ;;
+  timeout)
+    write_job "" ""
+    run 1 "$TWK" run --set job.driver=timeout "$TMP/job.toml"
+    expect_err "Probe.slow timed out after 0.3 s: ranks [0, 1] of group b did not answer"
+    expect_clean
+    ;;
+  sigint|sigterm|sigkill)
+    start_hanging
+    case $4 in
+      sigint) kill -INT $DRIVER_PID; want=130 ;;
+      sigterm) kill -TERM $DRIVER_PID; want=143 ;;
+      sigkill) kill -KILL $DRIVER_PID; want=137 ;;
+    esac
+    wait_driver
+    [ "$DRIVER_RC" -eq "$want" ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC after $4, expected $want"; }
+    workers_gone_within 1000
+    expect_clean
+    ;;
+  notify)
+    python3 - "$TMP" <<'PY' &
+import http.server, json, sys, os
+tmp = sys.argv[1]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with open(os.path.join(tmp, "posts"), "a") as f:
+            f.write(json.dumps({"path": self.path, "body": body.decode()}) + "\n")
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *a): pass
+s = http.server.HTTPServer(("127.0.0.1", 0), H)
+open(os.path.join(tmp, "port.tmp"), "w").write(str(s.server_address[1]))
+os.rename(os.path.join(tmp, "port.tmp"), os.path.join(tmp, "port"))
+s.timeout = 20
+while not os.path.exists(os.path.join(tmp, "stop")):
+    s.handle_request()
+PY
+    LISTENER=$!
+    trap 'touch "$TMP/stop"; kill $LISTENER 2>/dev/null; rm -rf "$TMP"' EXIT
+    deadline=$((SECONDS + 10))
+    until [ -f "$TMP/port" ]; do [ $SECONDS -lt $deadline ] || fail "no listener"; sleep 0.02; done
+    port=$(cat "$TMP/port")
+    write_job "" $'[notify]\nwebhook = "http://127.0.0.1:'"$port"$'/hook?x=1"\nkind = "dingtalk"\nsecret = "s3cret"\n'
+    run 1 "$TWK" run --set job.driver=throws "$TMP/job.toml"
+    write_job "" $'[notify]\nwebhook = "http://127.0.0.1:'"$port"$'/json"\n'
+    run 1 "$TWK" run --set job.driver=throws "$TMP/job.toml"
+    python3 - "$TMP/posts" <<'PY' || fail "the notifications are wrong"
+import base64, hashlib, hmac, json, sys, urllib.parse
+posts = [json.loads(l) for l in open(sys.argv[1])]
+assert len(posts) == 2, posts
+ding, plain = posts
+u = urllib.parse.urlparse(ding["path"])
+q = urllib.parse.parse_qs(u.query)
+assert u.path == "/hook" and q["x"] == ["1"], ding["path"]
+ts = q["timestamp"][0]
+want = base64.b64encode(hmac.new(b"s3cret", f"{ts}\ns3cret".encode(), hashlib.sha256).digest()).decode()
+assert q["sign"] == [want], (q["sign"], want)
+b = json.loads(ding["body"])
+assert b["msgtype"] == "markdown" and "runtime" in b["markdown"]["title"], b
+assert "deliberate failure on rank 2" in b["markdown"]["text"], b
+p = json.loads(plain["body"])
+assert plain["path"] == "/json" and p["job"] == "runtime" and len(p["run_id"]) == 8, p
+assert "deliberate failure on rank 2" in p["error"], p
+PY
+    # A webhook that cannot be reached is reported, never fatal: the run still says why it failed.
+    write_job "" $'[notify]\nwebhook = "http://127.0.0.1:1/hook"\n'
+    run 1 "$TWK" run --set job.driver=throws "$TMP/job.toml"
+    expect_err "failure notification to http://127.0.0.1:1/hook not delivered"
+    expect_err "deliberate failure on rank 2"
+    expect_clean
+    ;;
+  bad_input)
+    write_job "" ""
+    run 3 "$TWK" run --set job.driver=nope "$TMP/job.toml"
+    expect_err "plugin has no driver entry \"nope\" (it has: "
+    run 3 "$TWK" run --set job.plugin=/nonexistent/libx.so "$TMP/job.toml"
+    expect_err "/nonexistent/libx.so: no such plugin file"
+    run 1 "$TWK" run --set job.driver=bad_create "$TMP/job.toml"
+    expect_err "the job has no group \"nosuchgroup\" (it has: a, b)"
+    expect_err "[twinkle driver caller: runtime_plugin.cpp:"
+    run 2 "$TWK" run --set job.sed=1 "$TMP/job.toml"
+    expect_clean
+    ;;
+  *) fail "unknown case $4" ;;
+esac
+echo "ok: $4"
