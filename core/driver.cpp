@@ -25,6 +25,7 @@
 #include "core/topology.hpp"
 #include "core/values.hpp"
 #include "plugins/loader.hpp"
+#include "transports/zmq/kv.hpp"
 #include "transports/zmq/message.hpp"
 
 extern char** environ;
@@ -175,6 +176,7 @@ class JobRun {
     router_->set(zmq::sockopt::linger, 0);
     router_->set(zmq::sockopt::router_mandatory, 1);
     router_->bind(endpoint_);
+    kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + (run_dir_ / "kv").string());
 
     LaunchOptions lo;
     lo.log_dir = options_.log_dir;
@@ -232,11 +234,10 @@ class JobRun {
         set("TWINKLE_MODE", std::string(to_string(job_.mode)));
         set("TWINKLE_SEED", std::to_string(job_.seed));
         set("TWINKLE_RUN_ID", run_id_);
-        if (gp.group->device == DeviceType::cuda) {
-          std::string ids;
-          for (int g : w.gpus) ids += (ids.empty() ? "" : ",") + std::to_string(g);
-          set("CUDA_VISIBLE_DEVICES", ids);
-        }
+        // cuda workers see the physical GPUs placed for them; cpu workers see none.
+        std::string ids;
+        for (int g : w.gpus) ids += (ids.empty() ? "" : ",") + std::to_string(g);
+        set("CUDA_VISIBLE_DEVICES", ids);
         if (!has_omp) set("OMP_NUM_THREADS", "1");
         specs.push_back(std::move(spec));
         workers_.push_back(std::move(ref));
@@ -277,7 +278,9 @@ class JobRun {
            Value::map({{"job", job_.name},
                        {"args", to_value(job_.args)},
                        {"mesh", mesh_to_value(gr.spec->mesh)},
-                       {"device", std::string(to_string(gr.spec->device))}}));
+                       {"device", std::string(to_string(gr.spec->device))},
+                       {"kv", kv_->endpoint()},
+                       {"timeout_s", job_.timeout_s}}));
     }
     return true;
   }
@@ -343,7 +346,11 @@ class JobRun {
   std::string death_text() const {
     auto f = launcher_->failure();
     if (!f) return "a worker died";
-    std::string s = fmt::format("worker {} (pid {}) {}", f->name, f->pid, f->describe());
+    std::string host = local_.hostname;
+    if (auto it = identities_.find(f->name); it != identities_.end() && !workers_[it->second].host.empty()) {
+      host = workers_[it->second].host;
+    }
+    std::string s = fmt::format("worker {} (host {}, pid {}) {}", f->name, host, f->pid, f->describe());
     if (!f->last_stderr.empty()) {
       s += "; its last stderr lines:";
       for (const auto& l : f->last_stderr) s += "\n    | " + l;
@@ -449,7 +456,7 @@ class JobRun {
             fmt::format("no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD",
                         method_name, cls->name, names.empty() ? "none" : names));
       }
-      if (launcher_->failed()) return fail(err, death_text());
+      if (launcher_->failed()) return fail(err, fmt::format("{}.{}: {}", cls->name, m->name, death_text()));
       const std::size_t gi = inst->second.group;
       const DeviceMesh& mesh = groups_[gi].spec->mesh;
       const std::string what = fmt::format("{}.{}", cls->name, m->name);
@@ -504,6 +511,7 @@ class JobRun {
       *future = id;
       return TWK_OK;
     } catch (const std::exception& e) {
+      // dispatch_args names the call itself.
       return fail(err, e.what());
     }
   }
@@ -652,7 +660,10 @@ class JobRun {
     if (launcher_->failed()) {
       first = death_text();
       summary += "  root cause: " + first + "\n";
-      if (!driver_error.empty()) summary += "  then the driver: " + driver_error + "\n";
+      // The driver's error usually repeats the death; show it only when it says something else.
+      if (!driver_error.empty() && driver_error.find(first) == std::string::npos) {
+        summary += "  then the driver: " + driver_error + "\n";
+      }
     } else {
       first = driver_error.empty() ? startup_error_ : driver_error;
       summary += "  root cause: " + first + "\n";
@@ -669,6 +680,7 @@ class JobRun {
   void cleanup() {
     if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
     router_.reset();
+    kv_.reset();
     if (!run_dir_.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(run_dir_, ec);
@@ -691,6 +703,7 @@ class JobRun {
   std::string endpoint_;
   zmq::context_t zmq_;
   std::unique_ptr<zmq::socket_t> router_;
+  std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<LocalLauncher> launcher_;
   std::vector<WorkerRef> workers_;
   std::vector<GroupRuntime> groups_;

@@ -285,6 +285,7 @@ void LocalLauncher::kill_all_now() const noexcept {
 }
 
 void LocalLauncher::kill_and_reap() noexcept {
+  expecting_exit_ = true;
   kill_all_now();
   for (pid_t pid : pids()) {
     int status = 0;

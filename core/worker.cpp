@@ -3,7 +3,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -15,7 +18,12 @@
 #include "core/error.hpp"
 #include "core/values.hpp"
 #include "plugins/loader.hpp"
+#include "transports/gloo/communicator.hpp"
+#include "transports/zmq/kv.hpp"
 #include "transports/zmq/message.hpp"
+#ifdef TWINKLE_HAVE_NCCL
+#include "transports/nccl/communicator.hpp"
+#endif
 
 namespace twinkle::core {
 
@@ -33,7 +41,19 @@ extern "C" void on_driver_death(int) {
   // with SIGTERM/SIGKILL, so SIGHUP here means the driver died (even SIGKILLed) and left its run
   // directory behind: the workers remove it on their way out.
   if (g_socket_path[0]) unlink(g_socket_path);
+  if (g_socket_path[0]) {
+    // The rendezvous socket sits beside the control socket.
+    char kv[sizeof g_socket_path + 8];
+    std::size_t n = std::strlen(g_socket_path);
+    if (n > 3 && n + 1 < sizeof kv) {
+      std::memcpy(kv, g_socket_path, n - 3);
+      std::memcpy(kv + n - 3, "kv", 3);
+      unlink(kv);
+    }
+  }
   if (g_run_dir[0]) rmdir(g_run_dir);
+  // Whatever the workers started dies with them: the whole worker process group.
+  kill(0, SIGKILL);
   _exit(128 + SIGHUP);
 }
 
@@ -91,6 +111,39 @@ class Worker {
     host_.size = sizeof host_;
     host_.abi_version = TWK_ABI_VERSION;
     host_.log = &log_line;
+    host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "communicator", [&](transport::Communicator& c) {
+        *rank = c.rank();
+        *size = c.size();
+      });
+    };
+    host_.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count, std::int32_t dtype,
+                          std::int32_t op, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "all_reduce", [&](transport::Communicator& c) {
+        c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
+      });
+    };
+    host_.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count, std::int32_t dtype,
+                         std::int32_t root, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "broadcast", [&](transport::Communicator& c) {
+        c.broadcast(data, count, checked_dtype(dtype), root);
+      });
+    };
+    host_.all_gather = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
+                          std::int32_t dtype, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "all_gather", [&](transport::Communicator& c) {
+        c.all_gather(in, out, count, checked_dtype(dtype));
+      });
+    };
+    host_.reduce_scatter = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
+                              std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "reduce_scatter", [&](transport::Communicator& c) {
+        c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
+      });
+    };
+    host_.barrier = [](void* w, const char* dim, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "barrier", [&](transport::Communicator& c) { c.barrier(); });
+    };
   }
 
   int run() {
@@ -113,6 +166,8 @@ class Worker {
     mesh_ = std::make_unique<DeviceMesh>(mesh_from_value(welcome->body["mesh"]));
     mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
     device_ = welcome->body["device"].as<std::string>();
+    kv_endpoint_ = welcome->body["kv"].as<std::string>();
+    timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
     for (;;) {
       auto m = transport::recv_message(socket_, -1);
@@ -123,6 +178,7 @@ class Worker {
         case MsgType::shutdown:
           for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
           instances_.clear();
+          comms_.clear();
           return kExitOk;
         default:
           std::fprintf(stderr, "twinkle worker %s: unexpected %s message ignored\n", name_.c_str(),
@@ -136,6 +192,70 @@ class Worker {
     const plugins::ClassInfo* cls;
     void* self;
   };
+
+  static DType checked_dtype(std::int32_t d) {
+    if (!dtype_known(d)) throw ValueError("unknown dtype " + std::to_string(d));
+    return static_cast<DType>(d);
+  }
+  static transport::ReduceOp checked_op(std::int32_t op) {
+    if (op < TWK_REDUCE_SUM || op > TWK_REDUCE_MIN) throw ValueError("unknown reduce op " + std::to_string(op));
+    return static_cast<transport::ReduceOp>(op);
+  }
+
+  // The communicator of `dim` ("" = the group), made on first use: its members are the ranks that
+  // share every other mesh coordinate, and its store keys are named after the group, the
+  // dimension and the sub-group's index so that every member finds the same ones.
+  transport::Communicator& comm(const std::string& dim) {
+    if (auto it = comms_.find(dim); it != comms_.end()) return *it->second;
+    transport::CommConfig config;
+    config.timeout = timeout_;
+    if (dim.empty()) {
+      config.name = fmt::format("{}/all", group_);
+      config.rank = rank_;
+      config.size = world_;
+    } else {
+      if (dim != "ep" && !DeviceMesh::is_known_dim(dim)) {
+        throw ValueError(fmt::format("no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
+                                     "is {})",
+                                     dim, mesh_->dimensions_text(true)));
+      }
+      const auto groups = mesh_->groups(dim);
+      for (std::size_t i = 0; i < groups.size(); ++i) {
+        auto at = std::find(groups[i].begin(), groups[i].end(), rank_);
+        if (at == groups[i].end()) continue;
+        config.name = fmt::format("{}/{}/{}", group_, dim, i);
+        config.rank = static_cast<int>(at - groups[i].begin());
+        config.size = static_cast<int>(groups[i].size());
+      }
+    }
+    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_);
+    std::unique_ptr<transport::Communicator> c;
+    if (device_ == "cuda") {
+#ifdef TWINKLE_HAVE_NCCL
+      c = transport::create_nccl_communicator(*kv_, config);
+#else
+      throw TransportError("this twinkle was built without CUDA/NCCL, so cuda groups have no collectives; rebuild "
+                           "where the CUDA toolkit and NCCL are installed");
+#endif
+    } else {
+      c = transport::create_gloo_communicator(*kv_, config);
+    }
+    return *comms_.emplace(dim, std::move(c)).first->second;
+  }
+
+  template <class F>
+  std::int32_t collective(const char* dim_c, twk_sink_v1* err, const char* op, F&& f) {
+    const std::string dim = dim_c ? dim_c : "";
+    try {
+      f(comm(dim));
+      return TWK_OK;
+    } catch (const std::exception& e) {
+      const std::string msg = fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
+                                          dim.empty() ? "" : " (dim " + dim + ")", rank_, e.what());
+      if (err && err->set_error) err->set_error(err->target, msg.c_str());
+      return TWK_ERROR;
+    }
+  }
 
   twk_context_v1 context() const {
     twk_context_v1 c{};
@@ -227,6 +347,10 @@ class Worker {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
+  std::string kv_endpoint_;
+  std::chrono::milliseconds timeout_{600'000};
+  std::unique_ptr<transport::KvClient> kv_;
+  std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
 };
 
 }  // namespace

@@ -110,6 +110,7 @@ assert a[0]["MASTER_PORT"] != b[0]["MASTER_PORT"], "distinct MASTER_PORT per gro
 assert [w["data_rank"] for w in a] == [0, 0, 1, 1]
 # The cuda group's workers see the physical GPUs placed for them; cpu groups get none set.
 assert [w["CUDA_VISIBLE_DEVICES"] for w in e["c"]] == ["5", "6"], e["c"]
+assert all(w["CUDA_VISIBLE_DEVICES"] == "" for w in a + b), a[0]
 PY
     expect_out "[a:0] env asked"
     expect_out "[c:1] env asked"
@@ -149,7 +150,8 @@ PY
       exit) driver=exit_in_call rank=a:0 how="exited with code 3" ;;
     esac
     run 1 "$TWK" run --set job.driver=$driver "$TMP/job.toml"
-    grep -q "root cause: worker $rank (pid [0-9]*) $how" "$TMP/err" || { cat "$TMP/err"; fail "no root cause for $rank"; }
+    grep -q "root cause: worker $rank (host [^,]*, pid [0-9]*) $how" "$TMP/err" || { cat "$TMP/err"; fail "no root cause for $rank"; }
+    [ "$(grep -c "| about to $4" "$TMP/err")" -eq 1 ] || fail "the last stderr lines are shown more than once"
     expect_err "| about to $4 on rank ${rank#a:}"
     [ "$(grep -c 'root cause' "$TMP/err")" -eq 1 ] || fail "more than one root cause"
     expect_clean
@@ -164,6 +166,22 @@ PY
     [ -n "$ms" ] || fail "the driver did not notice the death"
     # die_later waits 100 ms; the death must reach the driver within a second of it.
     [ "$ms" -lt 1100 ] || fail "the death was noticed after $ms ms"
+    expect_clean
+    ;;
+  collectives)
+    write_job "" ""
+    run 0 "$TWK" run --set job.driver=collectives "$TMP/job.toml"
+    expect_out "COLLECTIVES OK"
+    expect_clean
+    ;;
+  collective_death)
+    # A peer that dies mid-collective: the run fails at once (not at the timeout) naming it.
+    write_job "" ""
+    start=$SECONDS
+    run 1 "$TWK" run --set job.driver=collective_death "$TMP/job.toml"
+    [ $((SECONDS - start)) -lt 20 ] || fail "the run waited for the collective's timeout"
+    expect_err "root cause: worker a:2"
+    expect_err "| leaving before the all_reduce"
     expect_clean
     ;;
   timeout)
@@ -181,6 +199,7 @@ PY
     esac
     wait_driver
     [ "$DRIVER_RC" -eq "$want" ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC after $4, expected $want"; }
+    if grep -q "stopping the other workers" "$TMP/err"; then fail "a stop on request was reported as a worker failure"; fi
     workers_gone_within 1000
     expect_clean
     ;;

@@ -69,6 +69,10 @@ enum {
 /* Status codes returned by every plugin function. */
 enum { TWK_OK = 0, TWK_ERROR = 1 };
 
+/* Reductions of the collectives. MEAN is SUM divided by the communicator's size (integer types
+ * divide with truncation). */
+enum { TWK_REDUCE_SUM = 0, TWK_REDUCE_MEAN = 1, TWK_REDUCE_MAX = 2, TWK_REDUCE_MIN = 3 };
+
 /* Log levels of twk_host_v1.log. */
 enum { TWK_LOG_DEBUG = 0, TWK_LOG_INFO = 1, TWK_LOG_WARN = 2, TWK_LOG_ERROR = 3 };
 
@@ -153,6 +157,23 @@ typedef struct twk_host_v1 {
   int32_t (*wait)(void* host_ctx, uint64_t future, twk_sink_v1* out);
   /* Driver: forget a future whose result is not wanted. */
   void (*release)(void* host_ctx, uint64_t future);
+
+  /* Workers: collectives. `dim` NULL or "" is the whole group; "dp", "tp", "pp", "ep", ... the
+   * mesh sub-group this worker belongs to. Communicators are created on first use (all members
+   * must make the same calls in the same order) and cached. Buffers are host memory for cpu
+   * groups (Gloo) and device memory for cuda groups (NCCL). `count` is in elements; all_gather
+   * and reduce_scatter take `count` elements per rank (out has count x size, in has count x size
+   * respectively). Blocking; a peer that died or hangs fails the call within its timeout. */
+  int32_t (*comm_info)(void* host_ctx, const char* dim, int32_t* rank, int32_t* size, twk_sink_v1* err);
+  int32_t (*all_reduce)(void* host_ctx, const char* dim, void* data, uint64_t count, int32_t dtype,
+                        int32_t op, twk_sink_v1* err);
+  int32_t (*broadcast)(void* host_ctx, const char* dim, void* data, uint64_t count, int32_t dtype,
+                       int32_t root, twk_sink_v1* err);
+  int32_t (*all_gather)(void* host_ctx, const char* dim, const void* in, void* out, uint64_t count,
+                        int32_t dtype, twk_sink_v1* err);
+  int32_t (*reduce_scatter)(void* host_ctx, const char* dim, const void* in, void* out,
+                            uint64_t count, int32_t dtype, int32_t op, twk_sink_v1* err);
+  int32_t (*barrier)(void* host_ctx, const char* dim, twk_sink_v1* err);
 } twk_host_v1;
 
 typedef int32_t (*twk_construct_fn)(const twk_host_v1* host, const twk_context_v1* ctx,
@@ -233,7 +254,7 @@ static_assert(sizeof(twk_value_v1) == 56, "twk_value_v1 layout changed");
 static_assert(sizeof(twk_sink_v1) == 24, "twk_sink_v1 layout changed");
 static_assert(sizeof(twk_mesh_v1) == 56, "twk_mesh_v1 layout changed");
 static_assert(sizeof(twk_context_v1) == 72, "twk_context_v1 layout changed");
-static_assert(sizeof(twk_host_v1) == 48, "twk_host_v1 layout changed");
+static_assert(sizeof(twk_host_v1) == 96, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
 static_assert(sizeof(twk_class_v1) == 56, "twk_class_v1 layout changed");
 static_assert(sizeof(twk_plugin_v1) == 88, "twk_plugin_v1 layout changed");

@@ -15,6 +15,7 @@
 //   TWINKLE_PLUGIN("digits", "1.0.0");
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -212,6 +213,137 @@ class Mesh {
   const twk_mesh_v1* m_ = nullptr;
 };
 
+// A collective failed: a peer died or hung, a buffer was wrong, or no backend serves the device.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ReduceOp : std::int32_t {
+  sum = TWK_REDUCE_SUM,
+  mean = TWK_REDUCE_MEAN,
+  max = TWK_REDUCE_MAX,
+  min = TWK_REDUCE_MIN,
+};
+
+// The communicator of a group (dim "") or of one of its mesh sub-groups ("dp", "tp", "pp", ...).
+// Every member must make the same collective calls in the same order. Host memory for cpu
+// groups, device memory for cuda groups. Blocking; throws CollectiveError.
+class Communicator {
+ public:
+  Communicator(const twk_host_v1* host, void* host_ctx, std::string dim)
+      : host_(host), host_ctx_(host_ctx), dim_(std::move(dim)) {}
+
+  // This worker's rank in the communicator and its size.
+  int rank() const { return info().first; }
+  int size() const { return info().second; }
+  const std::string& dim() const { return dim_; }
+
+  void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op = ReduceOp::sum) const {
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    check(need(host_->all_reduce)(host_ctx_, dim_.c_str(), data, count, static_cast<std::int32_t>(dtype),
+                                  static_cast<std::int32_t>(op), &sink),
+          t, "all_reduce");
+  }
+  template <class T>
+  void all_reduce(std::span<T> data, ReduceOp op = ReduceOp::sum) const {
+    all_reduce(data.data(), data.size(), dtype_of<std::remove_const_t<T>>(), op);
+  }
+  void all_reduce(Tensor& t, ReduceOp op = ReduceOp::sum) const {
+    all_reduce(t.mutable_data(), static_cast<std::size_t>(t.numel()), t.dtype(), op);
+  }
+
+  void broadcast(void* data, std::size_t count, DType dtype, int root = 0) const {
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    check(need(host_->broadcast)(host_ctx_, dim_.c_str(), data, count, static_cast<std::int32_t>(dtype), root, &sink),
+          t, "broadcast");
+  }
+  template <class T>
+  void broadcast(std::span<T> data, int root = 0) const {
+    broadcast(data.data(), data.size(), dtype_of<T>(), root);
+  }
+  void broadcast(Tensor& t, int root = 0) const {
+    broadcast(t.mutable_data(), static_cast<std::size_t>(t.numel()), t.dtype(), root);
+  }
+
+  // out holds in.size() x size() elements, rank r's part at r x in.size().
+  void all_gather(const void* in, void* out, std::size_t count, DType dtype) const {
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    check(need(host_->all_gather)(host_ctx_, dim_.c_str(), in, out, count, static_cast<std::int32_t>(dtype), &sink),
+          t, "all_gather");
+  }
+  template <class T>
+  void all_gather(std::span<const T> in, std::span<T> out) const {
+    if (out.size() != in.size() * static_cast<std::size_t>(size())) {
+      throw CollectiveError("all_gather: out has " + std::to_string(out.size()) + " elements, needs " +
+                            std::to_string(in.size() * static_cast<std::size_t>(size())));
+    }
+    all_gather(in.data(), out.data(), in.size(), dtype_of<T>());
+  }
+  // The tensors of all ranks concatenated along dim 0.
+  Tensor all_gather(const Tensor& in) const {
+    std::vector<std::int64_t> shape = in.shape();
+    if (shape.empty()) shape = {1};
+    shape[0] *= size();
+    Tensor out(in.dtype(), shape);
+    all_gather(in.data(), out.mutable_data(), static_cast<std::size_t>(in.numel()), in.dtype());
+    return out;
+  }
+
+  // in holds out.size() x size() elements; out receives the reduction of part rank().
+  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype, ReduceOp op = ReduceOp::sum) const {
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    check(need(host_->reduce_scatter)(host_ctx_, dim_.c_str(), in, out, count, static_cast<std::int32_t>(dtype),
+                                      static_cast<std::int32_t>(op), &sink),
+          t, "reduce_scatter");
+  }
+  template <class T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) const {
+    if (in.size() != out.size() * static_cast<std::size_t>(size())) {
+      throw CollectiveError("reduce_scatter: in has " + std::to_string(in.size()) + " elements, needs " +
+                            std::to_string(out.size() * static_cast<std::size_t>(size())));
+    }
+    reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>(), op);
+  }
+
+  void barrier() const {
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    check(need(host_->barrier)(host_ctx_, dim_.c_str(), &sink), t, "barrier");
+  }
+
+ private:
+  template <class Fn>
+  Fn need(Fn fn) const {
+    if (!host_ || host_->size < offsetof(twk_host_v1, barrier) + sizeof(void*) || !fn) {
+      throw CollectiveError("collectives are available in workers only (not in the driver entry)");
+    }
+    return fn;
+  }
+  void check(std::int32_t rc, const detail::SinkTarget& t, const char* op) const {
+    if (rc != TWK_OK) throw CollectiveError(std::string(op) + ": " + t.error);
+  }
+  std::pair<int, int> info() const {
+    if (!cached_) {
+      detail::SinkTarget t;
+      twk_sink_v1 sink = t.sink();
+      std::int32_t r = 0, n = 0;
+      check(need(host_->comm_info)(host_ctx_, dim_.c_str(), &r, &n, &sink), t, "communicator");
+      cached_ = {r, n};
+    }
+    return *cached_;
+  }
+
+  const twk_host_v1* host_;
+  void* host_ctx_;
+  std::string dim_;
+  mutable std::optional<std::pair<int, int>> cached_;
+};
+
 // Where a constructor or method runs: rank, group, mesh, job args, log. Valid for the duration of
 // the call it is passed to; do not keep it.
 class Context {
@@ -247,6 +379,9 @@ class Context {
   void log_at(std::int32_t level, const std::string& message) const {
     if (host_ && host_->log) host_->log(ctx_->host_ctx, level, message.c_str());
   }
+
+  // The group's communicator (dim "") or a mesh sub-group's ("dp", "tp", "pp", "ep", ...).
+  Communicator comm(std::string_view dim = "") const { return Communicator(host_, ctx_->host_ctx, std::string(dim)); }
 
   const twk_host_v1* host() const { return host_; }
   const twk_context_v1* raw() const { return ctx_; }
@@ -344,7 +479,7 @@ class Handle {
     const std::string name(method.name);
     if (host_->call(host_ctx_, id_, name.c_str(), e.view(), method.where.file_name(),
                     method.where.line(), &future, &sink) != TWK_OK) {
-      throw RemoteError(detail::caller_prefix(method.where) + cls_ + "." + name + ": " + t.error);
+      throw RemoteError(detail::caller_prefix(method.where) + t.error);
     }
     return LazyCollect(host_, host_ctx_, future);
   }

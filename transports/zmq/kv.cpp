@@ -1,0 +1,99 @@
+#include "transports/zmq/kv.hpp"
+
+#include <map>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+#include "transports/zmq/message.hpp"
+
+namespace twinkle::transport {
+
+KvServer::KvServer(zmq::context_t& context, const std::string& endpoint) : endpoint_(endpoint), context_(context) {
+  // Bind here so that a bad endpoint fails the caller, then serve on the thread.
+  auto socket = std::make_shared<zmq::socket_t>(context_, zmq::socket_type::router);
+  socket->set(zmq::sockopt::linger, 0);
+  socket->bind(endpoint_);
+  thread_ = std::thread([this, socket] { serve(*socket); });
+}
+
+KvServer::~KvServer() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void KvServer::serve(zmq::socket_t& socket) {
+  std::map<std::string, std::string> values;
+  std::map<std::string, std::vector<std::pair<std::string, std::uint64_t>>> waiting;
+  auto answer = [&](const std::string& to, std::uint64_t id, const std::string& value) {
+    Bytes b;
+    b.data.assign(value.begin(), value.end());
+    send_message(socket, Message{MsgType::kv_value, id, Value(std::move(b))}, &to);
+  };
+  while (!stop_) {
+    std::string from;
+    std::optional<Message> m;
+    try {
+      m = recv_message(socket, 100, &from);
+    } catch (const TransportError&) {
+      continue;  // a malformed request is dropped; its sender times out with a clear message
+    }
+    if (!m) continue;
+    try {
+      if (m->type == MsgType::kv_set) {
+        const std::string key = m->body["key"].as<std::string>();
+        const auto& data = m->body["value"].as<Bytes>().data;
+        std::string value(data.begin(), data.end());
+        values[key] = value;
+        if (auto w = waiting.find(key); w != waiting.end()) {
+          for (const auto& [to, id] : w->second) answer(to, id, value);
+          waiting.erase(w);
+        }
+      } else if (m->type == MsgType::kv_get) {
+        const std::string key = m->body["key"].as<std::string>();
+        if (auto v = values.find(key); v != values.end()) {
+          answer(from, m->id, v->second);
+        } else {
+          waiting[key].emplace_back(from, m->id);
+        }
+      }
+    } catch (const std::exception&) {
+      // Same as a malformed message: dropped.
+    }
+  }
+}
+
+KvClient::KvClient(zmq::context_t& context, const std::string& endpoint) : socket_(context, zmq::socket_type::dealer) {
+  socket_.set(zmq::sockopt::linger, 1000);
+  socket_.connect(endpoint);
+}
+
+void KvClient::set(const std::string& key, const std::string& value) {
+  std::lock_guard lock(mu_);
+  Bytes b;
+  b.data.assign(value.begin(), value.end());
+  send_message(socket_, Message{MsgType::kv_set, 0, Value::map({{"key", key}, {"value", Value(std::move(b))}})});
+}
+
+std::string KvClient::get(const std::string& key, std::chrono::milliseconds timeout) {
+  std::lock_guard lock(mu_);
+  const std::uint64_t id = ++next_id_;
+  send_message(socket_, Message{MsgType::kv_get, id, Value::map({{"key", key}})});
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      throw TransportError(fmt::format("rendezvous: key \"{}\" was not set within {} ms (a peer did not join)", key,
+                                       timeout.count()));
+    }
+    auto m = recv_message(socket_, static_cast<int>(left.count()));
+    // Answers to earlier requests that timed out are skipped.
+    if (m && m->type == MsgType::kv_value && m->id == id) {
+      const auto& data = m->body.as<Bytes>().data;
+      return std::string(data.begin(), data.end());
+    }
+  }
+}
+
+}  // namespace twinkle::transport

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <zmq.hpp>
+
+#include "transports/communicator.hpp"
+
+namespace twinkle::transport {
+
+// The driver's rendezvous store: a thread that serves kv_set / kv_get messages on its own ROUTER
+// socket next to the control socket, so that workers can rendezvous while the driver's own thread
+// is busy in plugin code. A get for a key not set yet is answered when the key is set.
+class KvServer {
+ public:
+  KvServer(zmq::context_t& context, const std::string& endpoint);
+  KvServer(const KvServer&) = delete;
+  KvServer& operator=(const KvServer&) = delete;
+  ~KvServer();  // stops and joins the thread
+
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  void serve(zmq::socket_t& socket);
+
+  std::string endpoint_;
+  zmq::context_t& context_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A worker's client of the KvServer. Thread-safe (one request at a time).
+class KvClient : public KvStore {
+ public:
+  KvClient(zmq::context_t& context, const std::string& endpoint);
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+
+ private:
+  std::mutex mu_;
+  zmq::socket_t socket_;
+  std::uint64_t next_id_ = 0;
+};
+
+}  // namespace twinkle::transport
