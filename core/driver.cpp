@@ -152,6 +152,8 @@ class JobRun {
     ctx.device = "";
     ctx.args = args.view();
     ctx.host_ctx = this;
+    std::string job_dir = std::filesystem::absolute(job_.file).parent_path().string();
+    ctx.job_dir = job_dir.c_str();
     std::string error;
     twk_sink_v1 sink{&error, nullptr,
                      [](void* t, const char* m) { *static_cast<std::string*>(t) = m ? m : ""; }};
@@ -175,6 +177,10 @@ class JobRun {
     router_ = std::make_unique<zmq::socket_t>(zmq_, zmq::socket_type::router);
     router_->set(zmq::sockopt::linger, 0);
     router_->set(zmq::sockopt::router_mandatory, 1);
+    // No high-water marks: a driver that sends many calls before reading replies must not block
+    // on a worker that blocks on its replies (a deadlock).
+    router_->set(zmq::sockopt::sndhwm, 0);
+    router_->set(zmq::sockopt::rcvhwm, 0);
     router_->bind(endpoint_);
     kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + (run_dir_ / "kv").string());
 
@@ -347,10 +353,12 @@ class JobRun {
     auto f = launcher_->failure();
     if (!f) return "a worker died";
     std::string host = local_.hostname;
-    if (auto it = identities_.find(f->name); it != identities_.end() && !workers_[it->second].host.empty()) {
+    if (auto it = identities_.find(f->name);
+        it != identities_.end() && !workers_[it->second].host.empty()) {
       host = workers_[it->second].host;
     }
-    std::string s = fmt::format("worker {} (host {}, pid {}) {}", f->name, host, f->pid, f->describe());
+    std::string s =
+        fmt::format("worker {} (host {}, pid {}) {}", f->name, host, f->pid, f->describe());
     if (!f->last_stderr.empty()) {
       s += "; its last stderr lines:";
       for (const auto& l : f->last_stderr) s += "\n    | " + l;
@@ -456,7 +464,8 @@ class JobRun {
             fmt::format("no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD",
                         method_name, cls->name, names.empty() ? "none" : names));
       }
-      if (launcher_->failed()) return fail(err, fmt::format("{}.{}: {}", cls->name, m->name, death_text()));
+      if (launcher_->failed())
+        return fail(err, fmt::format("{}.{}: {}", cls->name, m->name, death_text()));
       const std::size_t gi = inst->second.group;
       const DeviceMesh& mesh = groups_[gi].spec->mesh;
       const std::string what = fmt::format("{}.{}", cls->name, m->name);

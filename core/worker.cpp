@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 
@@ -107,42 +107,51 @@ class Worker {
     local_world_ = env_int("LOCAL_WORLD_SIZE", world_);
     socket_.set(zmq::sockopt::routing_id, name_);
     socket_.set(zmq::sockopt::linger, 2000);
+    socket_.set(zmq::sockopt::sndhwm, 0);  // see the driver: pipelined calls must not deadlock
+    socket_.set(zmq::sockopt::rcvhwm, 0);
     socket_.connect(o.endpoint);
     host_.size = sizeof host_;
     host_.abi_version = TWK_ABI_VERSION;
     host_.log = &log_line;
-    host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "communicator", [&](transport::Communicator& c) {
-        *rank = c.rank();
-        *size = c.size();
-      });
+    host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size,
+                         twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(dim, err, "communicator",
+                                                 [&](transport::Communicator& c) {
+                                                   *rank = c.rank();
+                                                   *size = c.size();
+                                                 });
     };
-    host_.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count, std::int32_t dtype,
-                          std::int32_t op, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "all_reduce", [&](transport::Communicator& c) {
-        c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
-      });
+    host_.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count,
+                          std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(
+          dim, err, "all_reduce", [&](transport::Communicator& c) {
+            c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
+          });
     };
-    host_.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count, std::int32_t dtype,
-                         std::int32_t root, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "broadcast", [&](transport::Communicator& c) {
-        c.broadcast(data, count, checked_dtype(dtype), root);
-      });
+    host_.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count,
+                         std::int32_t dtype, std::int32_t root, twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(
+          dim, err, "broadcast", [&](transport::Communicator& c) {
+            c.broadcast(data, count, checked_dtype(dtype), root);
+          });
     };
     host_.all_gather = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
                           std::int32_t dtype, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "all_gather", [&](transport::Communicator& c) {
-        c.all_gather(in, out, count, checked_dtype(dtype));
-      });
+      return static_cast<Worker*>(w)->collective(
+          dim, err, "all_gather",
+          [&](transport::Communicator& c) { c.all_gather(in, out, count, checked_dtype(dtype)); });
     };
-    host_.reduce_scatter = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
-                              std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "reduce_scatter", [&](transport::Communicator& c) {
-        c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
-      });
+    host_.reduce_scatter = [](void* w, const char* dim, const void* in, void* out,
+                              std::uint64_t count, std::int32_t dtype, std::int32_t op,
+                              twk_sink_v1* err) {
+      return static_cast<Worker*>(w)->collective(
+          dim, err, "reduce_scatter", [&](transport::Communicator& c) {
+            c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
+          });
     };
     host_.barrier = [](void* w, const char* dim, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "barrier", [&](transport::Communicator& c) { c.barrier(); });
+      return static_cast<Worker*>(w)->collective(dim, err, "barrier",
+                                                 [&](transport::Communicator& c) { c.barrier(); });
     };
   }
 
@@ -167,7 +176,8 @@ class Worker {
     mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
     device_ = welcome->body["device"].as<std::string>();
     kv_endpoint_ = welcome->body["kv"].as<std::string>();
-    timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
+    timeout_ = std::chrono::milliseconds(
+        static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
     for (;;) {
       auto m = transport::recv_message(socket_, -1);
@@ -198,7 +208,8 @@ class Worker {
     return static_cast<DType>(d);
   }
   static transport::ReduceOp checked_op(std::int32_t op) {
-    if (op < TWK_REDUCE_SUM || op > TWK_REDUCE_MIN) throw ValueError("unknown reduce op " + std::to_string(op));
+    if (op < TWK_REDUCE_SUM || op > TWK_REDUCE_MIN)
+      throw ValueError("unknown reduce op " + std::to_string(op));
     return static_cast<transport::ReduceOp>(op);
   }
 
@@ -215,9 +226,10 @@ class Worker {
       config.size = world_;
     } else {
       if (dim != "ep" && !DeviceMesh::is_known_dim(dim)) {
-        throw ValueError(fmt::format("no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
-                                     "is {})",
-                                     dim, mesh_->dimensions_text(true)));
+        throw ValueError(fmt::format(
+            "no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
+            "is {})",
+            dim, mesh_->dimensions_text(true)));
       }
       const auto groups = mesh_->groups(dim);
       for (std::size_t i = 0; i < groups.size(); ++i) {
@@ -234,8 +246,9 @@ class Worker {
 #ifdef TWINKLE_HAVE_NCCL
       c = transport::create_nccl_communicator(*kv_, config);
 #else
-      throw TransportError("this twinkle was built without CUDA/NCCL, so cuda groups have no collectives; rebuild "
-                           "where the CUDA toolkit and NCCL are installed");
+      throw TransportError(
+          "this twinkle was built without CUDA/NCCL, so cuda groups have no collectives; rebuild "
+          "where the CUDA toolkit and NCCL are installed");
 #endif
     } else {
       c = transport::create_gloo_communicator(*kv_, config);

@@ -42,7 +42,8 @@ class Communicator {
   // `out` holds count x size elements.
   virtual void all_gather(const void* in, void* out, std::size_t count, DType dtype) = 0;
   // `in` holds count x size elements; `out` count.
-  virtual void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype, ReduceOp op) = 0;
+  virtual void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype,
+                              ReduceOp op) = 0;
   virtual void barrier() = 0;
 };
 

@@ -125,7 +125,8 @@ TEST_CASE("unsupported reductions and roots are refused with the reason", "[coll
     CHECK_THROWS_WITH(c.all_reduce(&flag, 1, DType::boolean, ReduceOp::sum),
                       Catch::Contains("bool reductions are not supported on cpu groups"));
     float x = 0;
-    CHECK_THROWS_WITH(c.broadcast(&x, 1, DType::f32, 5), "broadcast root 5 is outside the communicator of 2");
+    CHECK_THROWS_WITH(c.broadcast(&x, 1, DType::f32, 5),
+                      "broadcast root 5 is outside the communicator of 2");
   });
 }
 
@@ -135,7 +136,8 @@ TEST_CASE("a peer that never joins fails the rendezvous within the timeout", "[c
   CHECK_THROWS_AS(twinkle::transport::create_gloo_communicator(store, c), twinkle::TransportError);
 }
 
-TEST_CASE("a peer that leaves mid-collective fails the others instead of hanging", "[collectives]") {
+TEST_CASE("a peer that leaves mid-collective fails the others instead of hanging",
+          "[collectives]") {
   MemoryStore store;
   std::string error;
   std::thread leaver([&] {
@@ -152,11 +154,13 @@ TEST_CASE("a peer that leaves mid-collective fails the others instead of hanging
   } catch (const twinkle::TransportError& e) {
     error = e.what();
   }
-  CHECK_THAT(error, Catch::StartsWith("all_reduce on leave failed (a peer died, hung or disconnected)"));
+  CHECK_THAT(error,
+             Catch::StartsWith("all_reduce on leave failed (a peer died, hung or disconnected)"));
   CHECK_THROWS_WITH(comm->barrier(), Catch::Contains("failed earlier and cannot be used again"));
 }
 
-TEST_CASE("the driver's rendezvous store answers gets that came before the set", "[collectives][kv]") {
+TEST_CASE("the driver's rendezvous store answers gets that came before the set",
+          "[collectives][kv]") {
   zmq::context_t ctx;
   twinkle::transport::KvServer server(ctx, "inproc://kv-test");
   twinkle::transport::KvClient a(ctx, "inproc://kv-test"), b(ctx, "inproc://kv-test");

@@ -35,7 +35,8 @@ class GlooStore : public gloo::rendezvous::Store {
     return {v.begin(), v.end()};
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     for (const auto& k : keys) store_.get(prefix_ + "/" + k, timeout);
   }
 
@@ -73,16 +74,18 @@ void with_type(DType dtype, bool reduction, F&& f) {
       if (!reduction) return f(static_cast<std::uint16_t*>(nullptr));
       break;
   }
-  throw TransportError(fmt::format("{} reductions are not supported on cpu groups (Gloo); use float32, float64, "
-                                   "int32, int64, int8, uint8 or float16",
-                                   dtype_name(dtype)));
+  throw TransportError(
+      fmt::format("{} reductions are not supported on cpu groups (Gloo); use float32, float64, "
+                  "int32, int64, int8, uint8 or float16",
+                  dtype_name(dtype)));
 }
 
 template <class T>
 void divide(void* data, std::size_t count, int n) {
   auto* p = static_cast<T*>(data);
   if constexpr (std::is_same_v<T, gloo::float16>) {
-    for (std::size_t i = 0; i < count; ++i) p[i] = gloo::float16(static_cast<double>(gloo::cpu_half2float(p[i]) / static_cast<float>(n)));
+    for (std::size_t i = 0; i < count; ++i)
+      p[i] = gloo::float16(static_cast<double>(gloo::cpu_half2float(p[i]) / static_cast<float>(n)));
   } else {
     for (std::size_t i = 0; i < count; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
   }
@@ -156,7 +159,8 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype, ReduceOp op) override {
+  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype,
+                      ReduceOp op) override {
     // All-reduce of the whole input, then this member's part: simple, and exact for every op.
     const std::size_t bytes = count * dtype_size(dtype);
     std::vector<std::byte> all(bytes * static_cast<std::size_t>(config_.size));
@@ -177,23 +181,24 @@ class GlooCommunicator : public Communicator {
  private:
   void check_root(int root) const {
     if (root < 0 || root >= config_.size) {
-      throw TransportError(fmt::format("broadcast root {} is outside the communicator of {}", root, config_.size));
+      throw TransportError(
+          fmt::format("broadcast root {} is outside the communicator of {}", root, config_.size));
     }
   }
 
   template <class F>
   void guard(const char* op, F&& f) {
     if (broken_) {
-      throw TransportError(fmt::format("{} on {}: the communicator failed earlier and cannot be used again", op,
-                                       config_.name));
+      throw TransportError(fmt::format(
+          "{} on {}: the communicator failed earlier and cannot be used again", op, config_.name));
     }
     try {
       f();
     } catch (const gloo::Exception& e) {
       // Gloo's context cannot be used after a failed operation.
       broken_ = true;
-      throw TransportError(fmt::format("{} on {} failed (a peer died, hung or disconnected): {}", op, config_.name,
-                                       e.what()));
+      throw TransportError(fmt::format("{} on {} failed (a peer died, hung or disconnected): {}",
+                                       op, config_.name, e.what()));
     }
   }
 

@@ -15,7 +15,8 @@ namespace twinkle::transport {
 namespace {
 
 void check_cuda(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) throw TransportError(fmt::format("{}: CUDA error: {}", what, cudaGetErrorString(rc)));
+  if (rc != cudaSuccess)
+    throw TransportError(fmt::format("{}: CUDA error: {}", what, cudaGetErrorString(rc)));
 }
 
 void check_nccl(ncclResult_t rc, const char* what) {
@@ -59,7 +60,8 @@ class NcclCommunicator : public Communicator {
       store.set(key, std::string(reinterpret_cast<const char*>(&id), sizeof id));
     } else {
       std::string v = store.get(key, c.timeout);
-      if (v.size() != sizeof id) throw TransportError(fmt::format("{}: malformed NCCL unique id", c.name));
+      if (v.size() != sizeof id)
+        throw TransportError(fmt::format("{}: malformed NCCL unique id", c.name));
       std::memcpy(&id, v.data(), sizeof id);
     }
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -77,19 +79,23 @@ class NcclCommunicator : public Communicator {
   int size() const override { return config_.size; }
 
   void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
-    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_), "ncclAllReduce");
+    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_),
+               "ncclAllReduce");
     finish("all_reduce");
   }
   void broadcast(void* data, std::size_t count, DType dtype, int root) override {
-    check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_), "ncclBroadcast");
+    check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_),
+               "ncclBroadcast");
     finish("broadcast");
   }
   void all_gather(const void* in, void* out, std::size_t count, DType dtype) override {
     check_nccl(ncclAllGather(in, out, count, nccl_type(dtype), comm_, stream_), "ncclAllGather");
     finish("all_gather");
   }
-  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype, ReduceOp op) override {
-    check_nccl(ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), comm_, stream_), "ncclReduceScatter");
+  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype,
+                      ReduceOp op) override {
+    check_nccl(ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), comm_, stream_),
+               "ncclReduceScatter");
     finish("reduce_scatter");
   }
   void barrier() override { all_reduce(scratch_, 1, DType::f32, ReduceOp::sum); }
@@ -107,14 +113,14 @@ class NcclCommunicator : public Communicator {
       if (async != ncclSuccess && async != ncclInProgress) {
         ncclCommAbort(comm_);
         comm_ = nullptr;
-        throw TransportError(fmt::format("{} on {} failed (a peer died or disconnected): {}", op, config_.name,
-                                         ncclGetErrorString(async)));
+        throw TransportError(fmt::format("{} on {} failed (a peer died or disconnected): {}", op,
+                                         config_.name, ncclGetErrorString(async)));
       }
       if (std::chrono::steady_clock::now() > deadline) {
         ncclCommAbort(comm_);
         comm_ = nullptr;
-        throw TransportError(fmt::format("{} on {} timed out after {} ms (a peer hung)", op, config_.name,
-                                         config_.timeout.count()));
+        throw TransportError(fmt::format("{} on {} timed out after {} ms (a peer hung)", op,
+                                         config_.name, config_.timeout.count()));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }

@@ -10,7 +10,8 @@
 
 namespace twinkle::transport {
 
-KvServer::KvServer(zmq::context_t& context, const std::string& endpoint) : endpoint_(endpoint), context_(context) {
+KvServer::KvServer(zmq::context_t& context, const std::string& endpoint)
+    : endpoint_(endpoint), context_(context) {
   // Bind here so that a bad endpoint fails the caller, then serve on the thread.
   auto socket = std::make_shared<zmq::socket_t>(context_, zmq::socket_type::router);
   socket->set(zmq::sockopt::linger, 0);
@@ -64,7 +65,8 @@ void KvServer::serve(zmq::socket_t& socket) {
   }
 }
 
-KvClient::KvClient(zmq::context_t& context, const std::string& endpoint) : socket_(context, zmq::socket_type::dealer) {
+KvClient::KvClient(zmq::context_t& context, const std::string& endpoint)
+    : socket_(context, zmq::socket_type::dealer) {
   socket_.set(zmq::sockopt::linger, 1000);
   socket_.connect(endpoint);
 }
@@ -73,7 +75,8 @@ void KvClient::set(const std::string& key, const std::string& value) {
   std::lock_guard lock(mu_);
   Bytes b;
   b.data.assign(value.begin(), value.end());
-  send_message(socket_, Message{MsgType::kv_set, 0, Value::map({{"key", key}, {"value", Value(std::move(b))}})});
+  send_message(socket_, Message{MsgType::kv_set, 0,
+                                Value::map({{"key", key}, {"value", Value(std::move(b))}})});
 }
 
 std::string KvClient::get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -82,10 +85,12 @@ std::string KvClient::get(const std::string& key, std::chrono::milliseconds time
   send_message(socket_, Message{MsgType::kv_get, id, Value::map({{"key", key}})});
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
-      throw TransportError(fmt::format("rendezvous: key \"{}\" was not set within {} ms (a peer did not join)", key,
-                                       timeout.count()));
+      throw TransportError(
+          fmt::format("rendezvous: key \"{}\" was not set within {} ms (a peer did not join)", key,
+                      timeout.count()));
     }
     auto m = recv_message(socket_, static_cast<int>(left.count()));
     // Answers to earlier requests that timed out are skipped.

@@ -61,7 +61,10 @@ std::vector<zmq::message_t> encode_message(const Message& m) {
   frames.emplace_back(e.msgpack.data(), e.msgpack.size());
   Value::List table;
   for (const auto& t : e.tensors) {
-    table.push_back(Value::list({static_cast<int>(t.dtype()), Value(t.shape())}));
+    Value::List entry;
+    entry.emplace_back(static_cast<int>(t.dtype()));
+    entry.emplace_back(t.shape());
+    table.emplace_back(std::move(entry));
   }
   EncodedValue te = encode(Value(std::move(table)));
   frames.emplace_back(te.msgpack.data(), te.msgpack.size());

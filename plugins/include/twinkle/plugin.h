@@ -138,6 +138,7 @@ typedef struct twk_context_v1 {
   const twk_mesh_v1* mesh;
   const twk_value_v1* args; /* the job's [args] */
   void* host_ctx;           /* pass back to twk_host_v1 functions */
+  const char* job_dir;      /* the folder of the job file, for paths in [args] */
 } twk_context_v1;
 
 /* The host's functions. Driver operations are valid only inside a driver entry; the rest
@@ -164,7 +165,8 @@ typedef struct twk_host_v1 {
    * groups (Gloo) and device memory for cuda groups (NCCL). `count` is in elements; all_gather
    * and reduce_scatter take `count` elements per rank (out has count x size, in has count x size
    * respectively). Blocking; a peer that died or hangs fails the call within its timeout. */
-  int32_t (*comm_info)(void* host_ctx, const char* dim, int32_t* rank, int32_t* size, twk_sink_v1* err);
+  int32_t (*comm_info)(void* host_ctx, const char* dim, int32_t* rank, int32_t* size,
+                       twk_sink_v1* err);
   int32_t (*all_reduce)(void* host_ctx, const char* dim, void* data, uint64_t count, int32_t dtype,
                         int32_t op, twk_sink_v1* err);
   int32_t (*broadcast)(void* host_ctx, const char* dim, void* data, uint64_t count, int32_t dtype,
@@ -253,7 +255,7 @@ static_assert(sizeof(twk_tensor_v1) == 32, "twk_tensor_v1 layout changed");
 static_assert(sizeof(twk_value_v1) == 56, "twk_value_v1 layout changed");
 static_assert(sizeof(twk_sink_v1) == 24, "twk_sink_v1 layout changed");
 static_assert(sizeof(twk_mesh_v1) == 56, "twk_mesh_v1 layout changed");
-static_assert(sizeof(twk_context_v1) == 72, "twk_context_v1 layout changed");
+static_assert(sizeof(twk_context_v1) == 80, "twk_context_v1 layout changed");
 static_assert(sizeof(twk_host_v1) == 96, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
 static_assert(sizeof(twk_class_v1) == 56, "twk_class_v1 layout changed");

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <source_location>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -242,8 +243,9 @@ class Communicator {
   void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op = ReduceOp::sum) const {
     detail::SinkTarget t;
     twk_sink_v1 sink = t.sink();
-    check(need(host_->all_reduce)(host_ctx_, dim_.c_str(), data, count, static_cast<std::int32_t>(dtype),
-                                  static_cast<std::int32_t>(op), &sink),
+    check(need(host_->all_reduce)(host_ctx_, dim_.c_str(), data, count,
+                                  static_cast<std::int32_t>(dtype), static_cast<std::int32_t>(op),
+                                  &sink),
           t, "all_reduce");
   }
   template <class T>
@@ -257,7 +259,8 @@ class Communicator {
   void broadcast(void* data, std::size_t count, DType dtype, int root = 0) const {
     detail::SinkTarget t;
     twk_sink_v1 sink = t.sink();
-    check(need(host_->broadcast)(host_ctx_, dim_.c_str(), data, count, static_cast<std::int32_t>(dtype), root, &sink),
+    check(need(host_->broadcast)(host_ctx_, dim_.c_str(), data, count,
+                                 static_cast<std::int32_t>(dtype), root, &sink),
           t, "broadcast");
   }
   template <class T>
@@ -272,13 +275,15 @@ class Communicator {
   void all_gather(const void* in, void* out, std::size_t count, DType dtype) const {
     detail::SinkTarget t;
     twk_sink_v1 sink = t.sink();
-    check(need(host_->all_gather)(host_ctx_, dim_.c_str(), in, out, count, static_cast<std::int32_t>(dtype), &sink),
+    check(need(host_->all_gather)(host_ctx_, dim_.c_str(), in, out, count,
+                                  static_cast<std::int32_t>(dtype), &sink),
           t, "all_gather");
   }
   template <class T>
   void all_gather(std::span<const T> in, std::span<T> out) const {
     if (out.size() != in.size() * static_cast<std::size_t>(size())) {
-      throw CollectiveError("all_gather: out has " + std::to_string(out.size()) + " elements, needs " +
+      throw CollectiveError("all_gather: out has " + std::to_string(out.size()) +
+                            " elements, needs " +
                             std::to_string(in.size() * static_cast<std::size_t>(size())));
     }
     all_gather(in.data(), out.data(), in.size(), dtype_of<T>());
@@ -294,17 +299,20 @@ class Communicator {
   }
 
   // in holds out.size() x size() elements; out receives the reduction of part rank().
-  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype, ReduceOp op = ReduceOp::sum) const {
+  void reduce_scatter(const void* in, void* out, std::size_t count, DType dtype,
+                      ReduceOp op = ReduceOp::sum) const {
     detail::SinkTarget t;
     twk_sink_v1 sink = t.sink();
-    check(need(host_->reduce_scatter)(host_ctx_, dim_.c_str(), in, out, count, static_cast<std::int32_t>(dtype),
+    check(need(host_->reduce_scatter)(host_ctx_, dim_.c_str(), in, out, count,
+                                      static_cast<std::int32_t>(dtype),
                                       static_cast<std::int32_t>(op), &sink),
           t, "reduce_scatter");
   }
   template <class T>
   void reduce_scatter(std::span<const T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) const {
     if (in.size() != out.size() * static_cast<std::size_t>(size())) {
-      throw CollectiveError("reduce_scatter: in has " + std::to_string(in.size()) + " elements, needs " +
+      throw CollectiveError("reduce_scatter: in has " + std::to_string(in.size()) +
+                            " elements, needs " +
                             std::to_string(out.size() * static_cast<std::size_t>(size())));
     }
     reduce_scatter(in.data(), out.data(), out.size(), dtype_of<T>(), op);
@@ -381,7 +389,9 @@ class Context {
   }
 
   // The group's communicator (dim "") or a mesh sub-group's ("dp", "tp", "pp", "ep", ...).
-  Communicator comm(std::string_view dim = "") const { return Communicator(host_, ctx_->host_ctx, std::string(dim)); }
+  Communicator comm(std::string_view dim = "") const {
+    return Communicator(host_, ctx_->host_ctx, std::string(dim));
+  }
 
   const twk_host_v1* host() const { return host_; }
   const twk_context_v1* raw() const { return ctx_; }
@@ -535,6 +545,17 @@ class Driver {
   }
 
   std::string_view job() const { return ctx_->job ? ctx_->job : ""; }
+  // The folder of the job file: relative paths in [args] are meant from there.
+  std::string job_dir() const {
+    if (ctx_->size < offsetof(twk_context_v1, job_dir) + sizeof(char*) || !ctx_->job_dir)
+      return ".";
+    return ctx_->job_dir;
+  }
+  // `path` as written in the job file, resolved against job_dir() when relative.
+  std::string job_path(std::string_view path) const {
+    if (!path.empty() && path.front() == '/') return std::string(path);
+    return job_dir() + "/" + std::string(path);
+  }
   const Value& args() const {
     if (!args_) args_ = ctx_->args ? decode(*ctx_->args) : Value::map();
     return *args_;

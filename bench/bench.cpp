@@ -1,0 +1,172 @@
+// `meson benchmark`: Twinkle's own costs next to references measured in the same run on the same
+// machine (raw ZeroMQ round trip over the same ipc transport, memcpy bandwidth), as ratios.
+// Usage: twinkle_bench TWINKLE_BINARY BENCH_JOB [--quick]
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <zmq.hpp>
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(p * static_cast<double>(v.size() - 1))];
+}
+
+// Round trips of a 1-frame message between a ROUTER here and a DEALER echo process, over ipc.
+std::pair<double, double> zmq_rtt(int n) {
+  const std::string path = fmt::format("/tmp/twinkle-bench-{}.ipc", getpid());
+  const std::string endpoint = "ipc://" + path;
+  zmq::context_t ctx;
+  zmq::socket_t router(ctx, zmq::socket_type::router);
+  router.bind(endpoint);
+  pid_t child = fork();
+  if (child == 0) {
+    zmq::context_t cctx;
+    zmq::socket_t dealer(cctx, zmq::socket_type::dealer);
+    dealer.connect(endpoint);
+    dealer.send(zmq::str_buffer("hello"));
+    for (;;) {
+      zmq::message_t m;
+      if (!dealer.recv(m)) continue;
+      if (m.size() == 4 && std::memcmp(m.data(), "stop", 4) == 0) break;
+      dealer.send(m, zmq::send_flags::none);
+    }
+    _exit(0);
+  }
+  zmq::message_t id, hello;
+  (void)router.recv(id);
+  (void)router.recv(hello);
+  std::vector<double> rtt;
+  for (int i = 0; i < n + 500; ++i) {
+    const auto t0 = Clock::now();
+    router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
+    router.send(zmq::str_buffer("ping-ping-ping-ping"), zmq::send_flags::none);
+    zmq::message_t rid, reply;
+    (void)router.recv(rid);
+    (void)router.recv(reply);
+    if (i >= 500)
+      rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
+  router.send(zmq::str_buffer("stop"), zmq::send_flags::none);
+  waitpid(child, nullptr, 0);
+  std::filesystem::remove(path);
+  return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
+}
+
+double memcpy_gbs(std::size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  double best = 1e300;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (b[bytes / 2] != 1) std::abort();
+  return static_cast<double>(bytes) / best / 1e9;
+}
+
+// Runs `twinkle run --quiet --set job.driver=DRIVER JOB`, returns its FIGURE lines and the time to
+// the line `mark` (if given) and to the end.
+struct RunResult {
+  std::map<std::string, double> figures;
+  double mark_s = -1;
+  double total_s = 0;
+};
+
+RunResult run_twinkle(const std::string& twinkle, const std::string& job, const std::string& driver,
+                      const std::vector<std::string>& extra, const std::string& mark = "") {
+  std::string cmd = fmt::format("'{}' run --quiet --set job.driver={}", twinkle, driver);
+  for (const auto& e : extra) cmd += " --set " + e;
+  cmd += fmt::format(" '{}' 2>&1", job);
+  RunResult r;
+  const auto t0 = Clock::now();
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw std::runtime_error("cannot start " + twinkle);
+  char line[4096];
+  std::string log;
+  while (fgets(line, sizeof line, p)) {
+    log += line;
+    if (!mark.empty() && r.mark_s < 0 && std::strstr(line, mark.c_str())) {
+      r.mark_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    char name[128], unit[32];
+    double v;
+    if (std::sscanf(line, "FIGURE %127s %lf %31s", name, &v, unit) == 3) r.figures[name] = v;
+  }
+  const int rc = pclose(p);
+  r.total_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (rc != 0) throw std::runtime_error("twinkle run (" + driver + ") failed:\n" + log);
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s TWINKLE_BINARY BENCH_JOB [--quick]\n", argv[0]);
+    return 2;
+  }
+  const std::string twinkle = argv[1], job = argv[2];
+  const bool quick = argc > 3 && std::string(argv[3]) == "--quick";
+  const int calls = quick ? 1000 : 5000;
+  try {
+    const auto [zmq_p50, zmq_p99] = zmq_rtt(calls);
+    const std::size_t dispatch_mib = quick ? 256 : 1024;
+    const double mem = memcpy_gbs(dispatch_mib << 20);
+
+    auto c = run_twinkle(twinkle, job, "calls", {fmt::format("args.calls={}", calls)}).figures;
+    auto d =
+        run_twinkle(twinkle, job, "dispatch", {fmt::format("args.dispatch_mib={}", dispatch_mib)})
+            .figures;
+    auto first = run_twinkle(twinkle, job, "first_call", {}, "FIRST CALL DONE");
+    auto noop = run_twinkle(twinkle, job, "noop", {});
+    auto ar = run_twinkle(twinkle, job, "all_reduce",
+                          {quick ? "args.all_reduce_reps=2" : "args.all_reduce_reps=5"})
+                  .figures;
+
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    fmt::print("twinkle benchmarks on {} ({} CPUs){}\n\n", host, sysconf(_SC_NPROCESSORS_ONLN),
+               quick ? ", quick" : "");
+    fmt::print("{:<46} {:>14} {:>22} {:>8}\n", "figure", "twinkle", "reference", "ratio");
+    auto row = [](const std::string& name, double v, const std::string& unit,
+                  const std::string& ref_name, double ref) {
+      fmt::print("{:<46} {:>10.4g} {:<3} {:>14} {:>7.4g} {:>7.2f}x\n", name, v, unit, ref_name, ref,
+                 ref > 0 ? v / ref : 0.0);
+    };
+    row("1. call round trip p50, 1 worker (us)", c["call_rtt_p50"], "", "zmq rtt p50", zmq_p50);
+    row("   call round trip p99, 1 worker (us)", c["call_rtt_p99"], "", "zmq rtt p99", zmq_p99);
+    row("2. pipelined calls/s, 1 worker", c["pipelined_1_worker"], "", "1/zmq p50", 1e6 / zmq_p50);
+    row("   pipelined calls/s, 8 workers", c["pipelined_8_workers"], "", "1/zmq p50",
+        1e6 / zmq_p50);
+    row("3. fan-out to 8 workers, all+sum, p50 (us)", c["fanout_8_p50"], "", "zmq rtt p50",
+        zmq_p50);
+    row(fmt::format("4. dispatch {} MiB slice_dp to 8 (GB/s)", dispatch_mib),
+        d["dispatch_bandwidth"], "", "memcpy GB/s", mem);
+    row("5. launch to first call done, 8 workers (s)", first.mark_s, "", "-", 0);
+    row("   whole run, no-op driver, 11 workers (s)", noop.total_s, "", "-", 0);
+    row("6. all_reduce 64 MiB f32, 2 workers, busbw GB/s", ar["all_reduce_busbw_2"], "",
+        "memcpy GB/s", mem);
+    row("   all_reduce 64 MiB f32, 8 workers, busbw GB/s", ar["all_reduce_busbw_8"], "",
+        "memcpy GB/s", mem);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "twinkle_bench: %s\n", e.what());
+    return 1;
+  }
+}

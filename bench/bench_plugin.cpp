@@ -1,0 +1,132 @@
+// The plugin `twinkle-bench` runs: each driver entry measures one figure from inside the driver and
+// prints it as "FIGURE name value unit" for the bench executable to collect.
+#include <twinkle/plugin.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <span>
+#include <vector>
+
+using twinkle::Context;
+using twinkle::Tensor;
+using twinkle::Value;
+using Clock = std::chrono::steady_clock;
+
+struct Bench {
+  explicit Bench(Context&) {}
+  int noop(Context&) { return 0; }
+  int one(Context&) { return 1; }
+  // Receives its slice of a large tensor; touches one byte per page so the data is really there.
+  std::int64_t take(Context&, const Tensor& t) {
+    std::int64_t sum = 0;
+    const auto* p = reinterpret_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.nbytes(); i += 4096) sum += p[i];
+    return static_cast<std::int64_t>(t.nbytes()) + sum * 0;
+  }
+  double all_reduce(Context& ctx, int mib, int reps) {
+    std::vector<float> buf(static_cast<std::size_t>(mib) << 18, 1.0f);
+    auto comm = ctx.comm();
+    comm.all_reduce(std::span<float>(buf));  // warm-up: connect
+    comm.barrier();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < reps; ++i) comm.all_reduce(std::span<float>(buf));
+    return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
+  }
+};
+TWINKLE_CLASS(Bench, twinkle::execute::all);
+TWINKLE_METHOD(Bench, noop, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Bench, one, twinkle::dispatch::all, twinkle::collect::sum);
+TWINKLE_METHOD(Bench, take, twinkle::dispatch::slice_dp, twinkle::collect::sum);
+TWINKLE_METHOD(Bench, all_reduce, twinkle::dispatch::all, twinkle::collect::first);
+
+namespace {
+
+void figure(const char* name, double value, const char* unit) {
+  std::printf("FIGURE %s %.6g %s\n", name, value, unit);
+  std::fflush(stdout);
+}
+
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(p * static_cast<double>(v.size() - 1))];
+}
+
+double calls_per_second(twinkle::Handle& h, int n) {
+  std::vector<twinkle::LazyCollect> pending;
+  pending.reserve(static_cast<std::size_t>(n));
+  const auto t0 = Clock::now();
+  for (int i = 0; i < n; ++i) pending.push_back(h.call("noop"));
+  for (auto& p : pending) p.get();
+  return n / std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+TWINKLE_DRIVER(calls, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto one = d.create<Bench>("one");
+  auto eight = d.create<Bench>("eight");
+  for (int i = 0; i < 500; ++i) one.call("noop").get();
+  std::vector<double> rtt;
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    one.call("noop").get();
+    rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  figure("call_rtt_p50", percentile(rtt, 0.5), "us");
+  figure("call_rtt_p99", percentile(rtt, 0.99), "us");
+  figure("pipelined_1_worker", calls_per_second(one, 5 * n), "calls/s");
+  figure("pipelined_8_workers", calls_per_second(eight, n), "calls/s");
+  std::vector<double> fan;
+  for (int i = 0; i < 200; ++i) eight.call("one").get();
+  for (int i = 0; i < n / 2; ++i) {
+    const auto t0 = Clock::now();
+    const int s = eight.call("one").get().as<int>();
+    fan.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    if (s != 8) throw std::runtime_error("fan-out sum is not 8");
+  }
+  figure("fanout_8_p50", percentile(fan, 0.5), "us");
+}
+
+TWINKLE_DRIVER(dispatch, twinkle::Driver& d) {
+  const std::int64_t mib = d.args()["dispatch_mib"].as<std::int64_t>();
+  auto eight = d.create<Bench>("eight");
+  Tensor t(twinkle::DType::f32, {mib * 1024 * 256});
+  auto s = t.mutable_span<float>();
+  for (std::size_t i = 0; i < s.size(); i += 1024) s[i] = 1.0f;
+  eight.call("take", Tensor(twinkle::DType::f32, {8 * 1024})).get();  // warm-up
+  double best = 1e300;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    const auto got = eight.call("take", t).get().as<std::int64_t>();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+    if (got != static_cast<std::int64_t>(t.nbytes()))
+      throw std::runtime_error("dispatch lost bytes");
+  }
+  figure("dispatch_bandwidth", static_cast<double>(t.nbytes()) / best / 1e9, "GB/s");
+}
+
+TWINKLE_DRIVER(first_call, twinkle::Driver& d) {
+  auto eight = d.create<Bench>("eight");
+  eight.call("noop").get();
+  std::printf("FIRST CALL DONE\n");
+  std::fflush(stdout);
+}
+
+TWINKLE_DRIVER(noop, twinkle::Driver&) {}
+
+TWINKLE_DRIVER(all_reduce, twinkle::Driver& d) {
+  const int mib = d.args()["all_reduce_mib"].as<int>();
+  const int reps = d.args()["all_reduce_reps"].as<int>();
+  for (const char* g : {"two", "eight"}) {
+    auto h = d.create<Bench>(g);
+    const int n = std::string(g) == "two" ? 2 : 8;
+    const double t = h.call("all_reduce", mib, reps).get().as<double>();
+    // nccl-tests' bus bandwidth: bytes x 2(n-1)/n per second.
+    const double busbw = static_cast<double>(mib) * 1048576.0 * 2.0 * (n - 1) / n / t / 1e9;
+    figure(n == 2 ? "all_reduce_busbw_2" : "all_reduce_busbw_8", busbw, "GB/s");
+  }
+}
+
+TWINKLE_PLUGIN("twinkle-bench", "1.0.0");

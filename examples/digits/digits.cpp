@@ -1,0 +1,259 @@
+// Data-parallel training of a one-hidden-layer MLP on the handwritten digits data.
+//
+// The driver reads data/digits.csv.gz, shuffles it with the job's seed, keeps 80% for training
+// and 20% for a held-out test, and each step sends one global batch with dispatch slice_dp. Every
+// worker of the "model" group computes the loss and gradient sums of its slice, the workers add
+// them up with all_reduce over the dp communicator, and all take the same SGD step, so their
+// parameters stay identical. The result does not depend on the number of workers (up to float
+// rounding): a 1-worker run of the same job reaches the same loss.
+#include <twinkle/plugin.hpp>
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <span>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using twinkle::Context;
+using twinkle::Tensor;
+using twinkle::Value;
+
+namespace {
+
+constexpr int kFeatures = 64;
+constexpr int kClasses = 10;
+
+struct Dataset {
+  std::vector<float> x;  // rows x 64, scaled to [0, 1]
+  std::vector<std::int64_t> y;
+  std::size_t rows() const { return y.size(); }
+};
+
+Dataset read_digits(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (!f)
+    throw std::runtime_error("cannot open " + path + "; set args.data to the digits.csv.gz file");
+  Dataset d;
+  char line[4096];
+  int row = 0;
+  while (gzgets(f, line, sizeof line)) {
+    ++row;
+    std::stringstream ss(line);
+    std::vector<int> v;
+    for (std::string cell; std::getline(ss, cell, ',');) v.push_back(std::stoi(cell));
+    if (v.size() != kFeatures + 1 || v.back() < 0 || v.back() >= kClasses) {
+      gzclose(f);
+      throw std::runtime_error(path + ":" + std::to_string(row) +
+                               ": expected 64 pixels and a label 0..9");
+    }
+    for (int i = 0; i < kFeatures; ++i) d.x.push_back(static_cast<float>(v[i]) / 16.0f);
+    d.y.push_back(v.back());
+  }
+  gzclose(f);
+  return d;
+}
+
+// Rows `idx` of `d` as tensors X [n, 64] float32 and y [n] int64.
+std::pair<Tensor, Tensor> take(const Dataset& d, std::span<const std::size_t> idx) {
+  const auto n = static_cast<std::int64_t>(idx.size());
+  Tensor x(twinkle::DType::f32, {n, kFeatures});
+  Tensor y(twinkle::DType::i64, {n});
+  auto xs = x.mutable_span<float>();
+  auto ys = y.mutable_span<std::int64_t>();
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    std::copy_n(d.x.begin() + static_cast<std::ptrdiff_t>(idx[i] * kFeatures), kFeatures,
+                xs.begin() + i * kFeatures);
+    ys[i] = d.y[idx[i]];
+  }
+  return {x, y};
+}
+
+}  // namespace
+
+// One replica of the model on each worker of the group.
+class Mlp {
+ public:
+  Mlp(Context& ctx, const Value& args)
+      : hidden_(args[0]["hidden"].as<int>()),
+        lr_(args[0]["lr"].as<double>()),
+        momentum_(args[0]["momentum"].as<double>()) {
+    // The same seed everywhere: the replicas start equal and stay equal.
+    std::mt19937_64 rng(static_cast<std::uint64_t>(args[0]["seed"].as<std::int64_t>()));
+    auto init = [&](std::vector<double>& w, int fan_in, int fan_out) {
+      const double a = std::sqrt(6.0 / (fan_in + fan_out));
+      std::uniform_real_distribution<double> u(-a, a);
+      for (auto& v : w) v = u(rng);
+    };
+    params_.assign(size(), 0.0);
+    velocity_.assign(size(), 0.0);
+    std::vector<double> w1(kFeatures * hidden_), w2(static_cast<std::size_t>(hidden_) * kClasses);
+    init(w1, kFeatures, hidden_);
+    init(w2, hidden_, kClasses);
+    std::copy(w1.begin(), w1.end(), params_.begin());
+    std::copy(w2.begin(), w2.end(), params_.begin() + static_cast<std::ptrdiff_t>(w2_at()));
+    ctx.log("MLP 64-{}-10 on rank {} (dp rank {} of {})", hidden_, ctx.rank(), ctx.rank_in("dp"),
+            ctx.size_of("dp"));
+  }
+
+  // Forward and backward on this worker's slice; the sums of all slices are added with
+  // all_reduce, then every replica takes the same step. Returns the global batch's mean loss.
+  Value train_step(Context& ctx, const Tensor& x, const Tensor& y) {
+    std::vector<double> grad(size() + 2, 0.0);  // gradients, then loss sum and row count
+    const double loss = forward_backward(x, y, &grad);
+    grad[size()] = loss;
+    grad[size() + 1] = static_cast<double>(y.numel());
+    ctx.comm("dp").all_reduce(std::span<double>(grad));
+    const double n = grad[size() + 1];
+    for (std::size_t i = 0; i < size(); ++i) {
+      velocity_[i] = momentum_ * velocity_[i] - lr_ * grad[i] / n;
+      params_[i] += velocity_[i];
+    }
+    return Value::map({{"loss", grad[size()] / n}, {"rows", static_cast<std::int64_t>(n)}});
+  }
+
+  // Correct predictions and rows of this worker's slice (collect sum adds them up).
+  Value evaluate(Context&, const Tensor& x, const Tensor& y) {
+    std::int64_t correct = 0;
+    const auto xs = x.span<float>();
+    const auto ys = y.span<std::int64_t>();
+    std::vector<double> h(static_cast<std::size_t>(hidden_)), logits(kClasses);
+    for (std::size_t r = 0; r < ys.size(); ++r) {
+      forward(xs.subspan(r * kFeatures, kFeatures), h, logits);
+      correct += std::max_element(logits.begin(), logits.end()) - logits.begin() == ys[r];
+    }
+    return Value::map({{"correct", correct}, {"rows", static_cast<std::int64_t>(ys.size())}});
+  }
+
+ private:
+  std::size_t size() const {
+    return w2_at() + static_cast<std::size_t>(hidden_) * kClasses + kClasses;
+  }
+  std::size_t b1_at() const { return static_cast<std::size_t>(kFeatures) * hidden_; }
+  std::size_t w2_at() const { return b1_at() + static_cast<std::size_t>(hidden_); }
+  std::size_t b2_at() const { return w2_at() + static_cast<std::size_t>(hidden_) * kClasses; }
+
+  void forward(std::span<const float> x, std::vector<double>& h,
+               std::vector<double>& logits) const {
+    for (int j = 0; j < hidden_; ++j) {
+      double s = params_[b1_at() + j];
+      for (int i = 0; i < kFeatures; ++i)
+        s += x[i] * params_[static_cast<std::size_t>(i) * hidden_ + j];
+      h[j] = s > 0 ? s : 0;  // ReLU
+    }
+    for (int k = 0; k < kClasses; ++k) {
+      double s = params_[b2_at() + k];
+      for (int j = 0; j < hidden_; ++j)
+        s += h[j] * params_[w2_at() + static_cast<std::size_t>(j) * kClasses + k];
+      logits[k] = s;
+    }
+  }
+
+  // Adds this slice's gradient sums into `grad`; returns its summed cross-entropy loss.
+  double forward_backward(const Tensor& x, const Tensor& y, std::vector<double>* grad) const {
+    const auto xs = x.span<float>();
+    const auto ys = y.span<std::int64_t>();
+    std::vector<double> h(static_cast<std::size_t>(hidden_)), logits(kClasses),
+        dh(static_cast<std::size_t>(hidden_));
+    double loss = 0;
+    auto& g = *grad;
+    for (std::size_t r = 0; r < ys.size(); ++r) {
+      auto xr = xs.subspan(r * kFeatures, kFeatures);
+      forward(xr, h, logits);
+      const double top = *std::max_element(logits.begin(), logits.end());
+      double z = 0;
+      for (double l : logits) z += std::exp(l - top);
+      loss += -(logits[ys[r]] - top - std::log(z));
+      std::fill(dh.begin(), dh.end(), 0.0);
+      for (int k = 0; k < kClasses; ++k) {
+        const double dl = std::exp(logits[k] - top) / z - (k == ys[r] ? 1.0 : 0.0);
+        g[b2_at() + k] += dl;
+        for (int j = 0; j < hidden_; ++j) {
+          g[w2_at() + static_cast<std::size_t>(j) * kClasses + k] += dl * h[j];
+          dh[j] += dl * params_[w2_at() + static_cast<std::size_t>(j) * kClasses + k];
+        }
+      }
+      for (int j = 0; j < hidden_; ++j) {
+        if (h[j] <= 0) continue;
+        g[b1_at() + j] += dh[j];
+        for (int i = 0; i < kFeatures; ++i)
+          g[static_cast<std::size_t>(i) * hidden_ + j] += dh[j] * xr[i];
+      }
+    }
+    return loss;
+  }
+
+  int hidden_;
+  double lr_;
+  double momentum_;
+  std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
+  std::vector<double> velocity_;
+};
+
+TWINKLE_CLASS(Mlp, twinkle::execute::all);
+TWINKLE_METHOD(Mlp, train_step, twinkle::dispatch::slice_dp, twinkle::collect::mean);
+TWINKLE_METHOD(Mlp, evaluate, twinkle::dispatch::slice_dp, twinkle::collect::sum);
+
+TWINKLE_DRIVER(main, twinkle::Driver& d) {
+  const Value& args = d.args();
+  const std::int64_t seed = args["seed"].as<std::int64_t>();
+  const int epochs = args["epochs"].as<int>();
+  const std::size_t batch = args["batch"].as<std::size_t>();
+
+  const Dataset data = read_digits(d.job_path(args["data"].as<std::string>()));
+  std::vector<std::size_t> order(data.rows());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(seed));
+  auto shuffle = [&](std::vector<std::size_t>& v) {
+    for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[rng() % i]);
+  };
+  shuffle(order);
+  const std::size_t n_train = data.rows() * 8 / 10;
+  std::vector<std::size_t> train(order.begin(),
+                                 order.begin() + static_cast<std::ptrdiff_t>(n_train));
+  const std::vector<std::size_t> test(order.begin() + static_cast<std::ptrdiff_t>(n_train),
+                                      order.end());
+  d.log("digits: {} samples, {} for training, {} held out; batch {}, {} epochs", data.rows(),
+        train.size(), test.size(), batch, epochs);
+
+  auto model = d.create<Mlp>("model", Value::map({{"hidden", args["hidden"]},
+                                                  {"lr", args["lr"]},
+                                                  {"momentum", args["momentum"]},
+                                                  {"seed", seed}}));
+  double last = 0;
+  for (int epoch = 1; epoch <= epochs; ++epoch) {
+    shuffle(train);
+    // Every step of the epoch is sent at once; the workers run them in order.
+    std::vector<twinkle::LazyCollect> steps;
+    for (std::size_t at = 0; at < train.size(); at += batch) {
+      const std::size_t n = std::min(batch, train.size() - at);
+      auto [x, y] = take(data, std::span<const std::size_t>(train).subspan(at, n));
+      steps.push_back(model.call("train_step", x, y));
+    }
+    double loss_sum = 0;
+    std::int64_t rows = 0;
+    for (auto& s : steps) {
+      // Every replica reports the same global values; collect mean keeps them (as doubles).
+      const double n = s.get()["rows"].as<double>();
+      loss_sum += s.get()["loss"].as<double>() * n;
+      rows += static_cast<std::int64_t>(n);
+    }
+    last = loss_sum / static_cast<double>(rows);
+    d.log("epoch {}  loss {}", epoch, last);
+  }
+  auto [x, y] = take(data, test);
+  const Value eval = model.call("evaluate", x, y).get();
+  char line[64];
+  std::snprintf(line, sizeof line, "%.6f", last);
+  d.log("final loss: {}", std::string(line));
+  std::snprintf(line, sizeof line, "%.3f",
+                eval["correct"].as<double>() / eval["rows"].as<double>());
+  d.log("accuracy: {}", std::string(line));
+}
+
+TWINKLE_PLUGIN("digits", "1.0.0");

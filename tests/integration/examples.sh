@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The examples, run as a user runs them. Usage: examples.sh TWINKLE_BINARY SOURCE_ROOT BUILD_EXAMPLES CASE
+TWK=$1
+SRC=$2
+EX=$3
+source "$SRC/tests/integration/lib.sh"
+export TMPDIR="$TMP/run"
+mkdir -p "$TMPDIR"
+
+case $4 in
+  digits)
+    run 0 "$TWK" run --quiet "$EX/digits/job.toml"
+    four=$(sed -n 's/^final loss: //p' "$TMP/out")
+    acc=$(sed -n 's/^accuracy: //p' "$TMP/out")
+    [ -n "$four" ] && [ -n "$acc" ] || { cat "$TMP/out"; fail "no final loss or accuracy line"; }
+    python3 -c "import sys; sys.exit(0 if float('$acc') >= 0.95 else 1)" || fail "held-out accuracy $acc < 0.95"
+    # Data parallelism must not change the result: one worker, same seed and global batch.
+    run 0 "$TWK" run --quiet --set group.model.ranks=1 "$EX/digits/job.toml"
+    one=$(sed -n 's/^final loss: //p' "$TMP/out")
+    python3 -c "import sys; sys.exit(0 if abs(float('$four') - float('$one')) <= 1e-4 else 1)" ||
+      fail "final loss with 4 workers ($four) differs from 1 worker ($one) by more than 1e-4"
+    echo "4 workers: loss $four accuracy $acc; 1 worker: loss $one"
+    ;;
+  hello)
+    run 0 "$TWK" run "$EX/hello/job.toml"
+    expect_out 'collect flatten (by_data_rank, slice_dp):     ["a", "b", "c", "d", "e"]'
+    expect_out 'collect last_pp (processor stage):            pp stage 1'
+    expect_out '[model:3] Model up: rank 3 of 4, dp rank 1, tp rank 1'
+    ;;
+  pipeline)
+    run 0 "$TWK" run --quiet "$EX/pipeline/job.toml"
+    grep -qE '^overlap: sequential [0-9.]+ s, pipelined [0-9.]+ s, saved -?[0-9.]+%$' "$TMP/out" ||
+      { cat "$TMP/out"; fail "no overlap summary line"; }
+    ;;
+  *) fail "unknown case $4" ;;
+esac
+[ -z "$(ls -A "$TMPDIR")" ] || fail "a run directory was left behind"
+echo "ok: $4"
