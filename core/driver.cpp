@@ -251,6 +251,10 @@ class JobRun {
       groups_.push_back(std::move(gr));
     }
     launcher_->start(specs);
+    for (std::size_t i = 0; i < workers_.size(); ++i) {
+      channels_.push_back(
+          std::make_unique<transport::ShmChannel>(launcher_->take_channel(i), &shm_pool_));
+    }
   }
 
   bool wait_for_hello() {
@@ -293,9 +297,16 @@ class JobRun {
 
   // ----- messages ---------------------------------------------------------------------------
 
+  transport::ChannelOf channel_of() {
+    return [this](const std::string& identity) -> transport::ShmChannel* {
+      auto it = identities_.find(identity);
+      return it == identities_.end() ? nullptr : channels_[it->second].get();
+    };
+  }
+
   std::optional<Message> recv(int timeout_ms, std::string* from) {
     try {
-      return transport::recv_message(*router_, timeout_ms, from);
+      return transport::recv_message(*router_, timeout_ms, from, channel_of());
     } catch (const TransportError& e) {
       std::fprintf(stderr, "twinkle: dropped a message: %s\n", e.what());
       return std::nullopt;
@@ -303,7 +314,8 @@ class JobRun {
   }
 
   void send(std::size_t worker, MsgType t, std::uint64_t id, Value body) {
-    transport::send_message(*router_, Message{t, id, std::move(body)}, &workers_[worker].name);
+    transport::send_message(*router_, Message{t, id, std::move(body)}, &workers_[worker].name,
+                            channels_[worker].get());
   }
 
   // Handles one incoming message, if one arrives within `timeout_ms`.
@@ -314,6 +326,9 @@ class JobRun {
     auto it = identities_.find(from);
     if (it == identities_.end()) return;
     const WorkerRef& w = workers_[it->second];
+    if (m->body.contains("shm_released")) {
+      for (const auto& id : m->body["shm_released"]) shm_pool_.released(id.as<std::uint64_t>());
+    }
     switch (m->type) {
       case MsgType::created: {
         auto inst = instances_.find(m->id);
@@ -469,7 +484,9 @@ class JobRun {
       const std::size_t gi = inst->second.group;
       const DeviceMesh& mesh = groups_[gi].spec->mesh;
       const std::string what = fmt::format("{}.{}", cls->name, m->name);
-      Value a = decode(*args);
+      // Large tensors go straight into shared memory: their slices are then passed to the
+      // workers without another copy.
+      Value a = transport::decode_to_shm(*args, &shm_pool_);
 
       CallState cs;
       cs.what = what;
@@ -715,6 +732,8 @@ class JobRun {
   std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<LocalLauncher> launcher_;
   std::vector<WorkerRef> workers_;
+  transport::ShmPool shm_pool_;  // before the channels, which point to it
+  std::vector<std::unique_ptr<transport::ShmChannel>> channels_;  // by worker
   std::vector<GroupRuntime> groups_;
   std::map<std::string, std::size_t> identities_;
   std::map<std::uint64_t, InstanceState> instances_;

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -27,6 +29,7 @@ struct LocalLauncher::Proc {
   std::string name;
   pid_t pid = 0;
   int fds[2] = {-1, -1};  // stdout, stderr read ends
+  int channel = -1;       // the driver's end of the shared-memory channel
   std::string partial[2];
   std::deque<std::string> tail;
   std::ofstream log;
@@ -73,15 +76,18 @@ void LocalLauncher::start(const std::vector<WorkerSpec>& workers) {
       std::replace(file.begin(), file.end(), ':', '-');
       proc->log.open(*options_.log_dir / (file + ".log"), std::ios::app);
     }
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+    int out[2], err[2], chan[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 ||
+        socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, chan) != 0) {
       throw Error(
           fmt::format("cannot create pipes for worker {}: {}", spec.name, std::strerror(errno)));
     }
     std::vector<char*> argv, envp;
     for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
+    static const std::string kChannelEnv = "TWINKLE_SHM_FD=3";
     for (const auto& e : spec.env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(const_cast<char*>(kChannelEnv.c_str()));
     envp.push_back(nullptr);
     const pid_t group = pgid_;
 
@@ -97,10 +103,11 @@ void LocalLauncher::start(const std::vector<WorkerSpec>& workers) {
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
       signal(SIGPIPE, SIG_DFL);
-      int devnull = open("/dev/null", O_RDONLY);
+      int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
       if (devnull >= 0) dup2(devnull, 0);
       dup2(out[1], 1);
       dup2(err[1], 2);
+      dup2(chan[1], 3);  // dup2 clears close-on-exec: the worker keeps it
       execve(argv[0], argv.data(), envp.data());
       const char msg[] = "twinkle: cannot exec the worker binary\n";
       (void)!::write(2, msg, sizeof msg - 1);
@@ -110,6 +117,8 @@ void LocalLauncher::start(const std::vector<WorkerSpec>& workers) {
     if (!pgid_) pgid_ = pid;
     close(out[1]);
     close(err[1]);
+    close(chan[1]);
+    proc->channel = chan[0];
     fcntl(out[0], F_SETFL, O_NONBLOCK);
     fcntl(err[0], F_SETFL, O_NONBLOCK);
     proc->fds[0] = out[0];
@@ -264,6 +273,12 @@ std::size_t LocalLauncher::running() const {
   return n;
 }
 
+int LocalLauncher::take_channel(std::size_t index) {
+  std::lock_guard lock(mu_);
+  if (index >= procs_.size()) return -1;
+  return std::exchange(procs_[index]->channel, -1);
+}
+
 std::vector<pid_t> LocalLauncher::pids() const {
   std::lock_guard lock(mu_);
   std::vector<pid_t> out;
@@ -321,6 +336,7 @@ void LocalLauncher::stop(std::chrono::milliseconds grace) {
       if (fd >= 0) close(fd);
       fd = -1;
     }
+    if (p->channel >= 0) close(std::exchange(p->channel, -1));
   }
 }
 

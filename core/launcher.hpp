@@ -78,6 +78,10 @@ class LocalLauncher {
   // so that no worker outlives it even as a zombie).
   void kill_and_reap() noexcept;
 
+  // The driver's end of worker `index`'s shared-memory channel (the worker has the other end as
+  // fd 3, named by TWINKLE_SHM_FD). Ownership passes to the caller; -1 once taken.
+  int take_channel(std::size_t index);
+
   std::vector<pid_t> pids() const;
   std::size_t running() const;
   // Exits seen so far (all of them, expected or not).

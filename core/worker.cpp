@@ -110,6 +110,8 @@ class Worker {
     socket_.set(zmq::sockopt::sndhwm, 0);  // see the driver: pipelined calls must not deadlock
     socket_.set(zmq::sockopt::rcvhwm, 0);
     socket_.connect(o.endpoint);
+    if (const char* fd = std::getenv("TWINKLE_SHM_FD"))
+      channel_ = std::make_unique<transport::ShmChannel>(std::atoi(fd));
     host_.size = sizeof host_;
     host_.abi_version = TWK_ABI_VERSION;
     host_.log = &log_line;
@@ -164,7 +166,7 @@ class Worker {
                      {"rank", rank_},
                      {"pid", static_cast<int>(getpid())},
                      {"host", std::string(host)}}));
-    auto welcome = transport::recv_message(socket_, 60'000);
+    auto welcome = transport::recv_message(socket_, 60'000, nullptr, channel_of());
     if (!welcome || welcome->type != MsgType::welcome) {
       std::fprintf(stderr, "twinkle worker %s: no welcome from the driver at %s\n", name_.c_str(),
                    options_.endpoint.c_str());
@@ -180,7 +182,7 @@ class Worker {
         static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
     for (;;) {
-      auto m = transport::recv_message(socket_, -1);
+      auto m = transport::recv_message(socket_, -1, nullptr, channel_of());
       if (!m) continue;
       switch (m->type) {
         case MsgType::create: create(*m); break;
@@ -287,7 +289,15 @@ class Worker {
   }
 
   void send(MsgType t, std::uint64_t id, Value body) {
-    transport::send_message(socket_, Message{t, id, std::move(body)});
+    // Tell the driver which of its pooled segments this worker let go of, so it can reuse them.
+    if (channel_ && body.is_map()) {
+      auto released = channel_->take_released();
+      if (!released.empty()) body["shm_released"] = Value(released);
+    }
+    transport::send_message(socket_, Message{t, id, std::move(body)}, nullptr, channel_.get());
+  }
+  transport::ChannelOf channel_of() {
+    return [this](const std::string&) { return channel_.get(); };
   }
 
   void create(const Message& m) {
@@ -320,7 +330,7 @@ class Worker {
     send(MsgType::created, m.id, Value::map({{"ok", true}}));
   }
 
-  void call(const Message& m) {
+  void call(Message& m) {
     auto reply_error = [&](const std::string& e) {
       send(MsgType::reply, m.id, Value::map({{"ok", false}, {"error", e}}));
     };
@@ -332,7 +342,9 @@ class Worker {
       return reply_error("class " + it->second.cls->name + " has no remote method " + method);
 
     auto* shared = new SharedArgs;
-    shared->value = m.body["args"];
+    // Moved out of the message so that the arguments die with `hold` (below), before the reply.
+    shared->value = std::move(m.body["args"]);
+    m.body.map_items().erase("args");
     std::unique_ptr<SharedArgs, void (*)(SharedArgs*)> hold(
         shared, [](SharedArgs* s) { SharedArgs::release(s); });
     shared->encoded = encode(shared->value);
@@ -344,6 +356,9 @@ class Worker {
     Captured out;
     twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args, &sink);
+    // Shared-memory arguments the plugin did not keep are released now, so that the reply can
+    // tell the driver it may reuse them.
+    hold.reset();
     if (rc != TWK_OK || out.error)
       return reply_error(out.error.value_or("the method failed without a message"));
     send(MsgType::reply, m.id, Value::map({{"ok", true}, {"value", out.value.value_or(Value())}}));
@@ -360,6 +375,7 @@ class Worker {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
+  std::unique_ptr<transport::ShmChannel> channel_;
   std::string kv_endpoint_;
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<transport::KvClient> kv_;

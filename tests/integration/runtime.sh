@@ -33,7 +33,9 @@ tag = "t"
 TOML
 }
 
-# Nothing of a run may remain: no worker process, no run directory.
+SHM_BEFORE=$(ls /dev/shm 2>/dev/null | sort)
+
+# Nothing of a run may remain: no worker process, no run directory, no shared memory.
 expect_clean() {
   local deadline=$((SECONDS + 3))
   while pgrep -r RSD -f -- "$TMPDIR" >/dev/null; do
@@ -41,6 +43,10 @@ expect_clean() {
     sleep 0.05
   done
   [ -z "$(ls -A "$TMPDIR")" ] || { ls -laR "$TMPDIR"; fail "the run directory was not removed"; }
+  [ "$(ls /dev/shm 2>/dev/null | sort)" = "$SHM_BEFORE" ] || fail "something was left in /dev/shm"
+  if grep -l "memfd:twinkle-tensor" /proc/[0-9]*/maps 2>/dev/null | grep -v "/proc/$$/" ; then
+    fail "a process still maps a twinkle tensor segment"
+  fi
 }
 
 # Starts the hang scenario in the background; sets DRIVER_PID and WORKER_PIDS once all are ready.
@@ -172,6 +178,12 @@ PY
     write_job "" ""
     run 0 "$TWK" run --set job.driver=collectives "$TMP/job.toml"
     expect_out "COLLECTIVES OK"
+    expect_clean
+    ;;
+  shm)
+    write_job "" ""
+    run 0 "$TWK" run --set job.driver=shm "$TMP/job.toml"
+    expect_out "SHM OK"
     expect_clean
     ;;
   collective_death)

@@ -47,7 +47,7 @@ const char* to_string(MsgType t) {
   return "unknown";
 }
 
-std::vector<zmq::message_t> encode_message(const Message& m) {
+std::vector<zmq::message_t> encode_message(const Message& m, ShmChannel* channel) {
   std::vector<zmq::message_t> frames;
   zmq::message_t header(kHeaderSize);
   auto* h = static_cast<unsigned char*>(header.data());
@@ -60,16 +60,28 @@ std::vector<zmq::message_t> encode_message(const Message& m) {
   EncodedValue e = encode(m.body);
   frames.emplace_back(e.msgpack.data(), e.msgpack.size());
   Value::List table;
-  for (const auto& t : e.tensors) {
+  for (auto& t : e.tensors) {
     Value::List entry;
     entry.emplace_back(static_cast<int>(t.dtype()));
     entry.emplace_back(t.shape());
+    if (channel && t.nbytes() >= kShmThreshold) {
+      if (t.shm_fd() < 0) {
+        Tensor copy = shm_tensor(t.dtype(), t.shape());
+        std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
+        t = copy;
+      }
+      entry.emplace_back(static_cast<std::int64_t>(channel->send(t.shm_fd())));
+      entry.emplace_back(static_cast<std::int64_t>(t.shm_offset()));
+      entry.emplace_back(
+          static_cast<std::int64_t>(channel->pool() ? channel->pool()->sent(t.shm_fd()) : 0));
+      t = Tensor();  // its frame stays empty
+    }
     table.emplace_back(std::move(entry));
   }
   EncodedValue te = encode(Value(std::move(table)));
   frames.emplace_back(te.msgpack.data(), te.msgpack.size());
   for (auto& t : e.tensors) {
-    if (t.nbytes() == 0) {
+    if (!t.defined() || t.nbytes() == 0) {
       frames.emplace_back();
       continue;
     }
@@ -80,7 +92,7 @@ std::vector<zmq::message_t> encode_message(const Message& m) {
   return frames;
 }
 
-Message decode_message(std::vector<zmq::message_t>&& frames) {
+Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel) {
   if (frames.size() < 3) {
     throw TransportError(
         fmt::format("malformed message: {} frame(s), at least 3 expected", frames.size()));
@@ -122,6 +134,24 @@ Message decode_message(std::vector<zmq::message_t>&& frames) {
       if (!dtype_known(dtype))
         throw TransportError(fmt::format("malformed message: tensor {} has dtype {}", i, dtype));
       auto shape = d[1].as<std::vector<std::int64_t>>();
+      std::int64_t numel = 1;
+      for (auto x : shape) {
+        if (x < 0)
+          throw TransportError(
+              fmt::format("malformed message: tensor {} has a negative dimension", i));
+        numel *= x;
+      }
+      const std::size_t nbytes =
+          static_cast<std::size_t>(numel) * dtype_size(static_cast<DType>(dtype));
+      if (d.size() == 5) {
+        if (!channel)
+          throw TransportError("malformed message: a shared-memory tensor without a channel");
+        const int fd = channel->receive(d[2].as<std::uint64_t>());
+        auto seg = channel->map(fd, d[3].as<std::size_t>(), nbytes, d[4].as<std::uint64_t>());
+        tensors.push_back(Tensor::view_fd(static_cast<DType>(dtype), shape, seg->data(), nbytes,
+                                          seg, seg->fd(), d[3].as<std::size_t>()));
+        continue;
+      }
       auto& frame = (*owned)[3 + i];
       tensors.push_back(Tensor::view(static_cast<DType>(dtype), shape, frame.data(), frame.size(),
                                      std::shared_ptr<const void>(owned, frame.data())));
@@ -133,8 +163,9 @@ Message decode_message(std::vector<zmq::message_t>&& frames) {
   return m;
 }
 
-void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity) {
-  auto frames = encode_message(m);
+void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity,
+                  ShmChannel* channel) {
+  auto frames = encode_message(m, channel);
   if (identity) socket.send(zmq::buffer(*identity), zmq::send_flags::sndmore);
   for (std::size_t i = 0; i < frames.size(); ++i) {
     socket.send(frames[i],
@@ -142,7 +173,8 @@ void send_message(zmq::socket_t& socket, const Message& m, const std::string* id
   }
 }
 
-std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms, std::string* identity) {
+std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms, std::string* identity,
+                                    const ChannelOf& channel_of) {
   zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
   if (zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms)) == 0) return std::nullopt;
   std::vector<zmq::message_t> frames;
@@ -153,7 +185,8 @@ std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms, std::
     *identity = frames.front().to_string();
     frames.erase(frames.begin());
   }
-  return decode_message(std::move(frames));
+  return decode_message(std::move(frames),
+                        channel_of ? channel_of(identity ? *identity : std::string()) : nullptr);
 }
 
 }  // namespace twinkle::transport

@@ -1,12 +1,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <zmq.hpp>
 
+#include "transports/shm/segment.hpp"
 #include "twinkle/value.hpp"
 
 namespace twinkle::transport {
@@ -34,25 +36,33 @@ const char* to_string(MsgType t);
 //   [body: msgpack]  [tensor table: msgpack [[dtype, [shape...]], ...]]  [one frame per tensor]
 // Tensor payloads are never copied into the body: sending references the tensor's memory (kept
 // alive until ZeroMQ is done with it), receiving makes tensors that view the received frames.
+// With a ShmChannel to the peer, tensors of kShmThreshold bytes or more travel as shared memory
+// instead: their table entry is [dtype, shape, token, offset, pool id] and their frame is empty;
+// the memfd goes over the channel (a tensor not in shared memory yet is copied into it once).
 struct Message {
   MsgType type = MsgType::hello;
   std::uint64_t id = 0;
   Value body;
 };
 
-std::vector<zmq::message_t> encode_message(const Message& m);
+std::vector<zmq::message_t> encode_message(const Message& m, ShmChannel* channel = nullptr);
 
 // Throws TransportError naming what is wrong: too few frames, a bad magic, another protocol
 // version, an unknown type, a malformed body or tensor table, a tensor frame of the wrong size.
-Message decode_message(std::vector<zmq::message_t>&& frames);
+// A shared-memory entry without a channel is a TransportError too.
+Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel = nullptr);
 
 // Sends on a DEALER (no identity) or ROUTER (with the peer's identity). Blocks only if the
 // socket's high-water mark is reached.
-void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity = nullptr);
+void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity = nullptr,
+                  ShmChannel* channel = nullptr);
 
 // Receives one message; nullopt when nothing arrived before `timeout_ms` (-1: wait forever).
 // With a ROUTER socket, `identity` receives the sender's identity.
+// `channel_of` gives the shared-memory channel of the sender (by identity, "" for a DEALER).
+using ChannelOf = std::function<ShmChannel*(const std::string& identity)>;
 std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms,
-                                    std::string* identity = nullptr);
+                                    std::string* identity = nullptr,
+                                    const ChannelOf& channel_of = {});
 
 }  // namespace twinkle::transport

@@ -145,6 +145,20 @@ class Tensor {
     return t;
   }
 
+  // A view over a shared-memory file: `fd` (kept open by `owner`) holds the data at `fd_offset`.
+  // The host uses this to pass large tensors between processes without copying them.
+  static Tensor view_fd(DType dtype, std::vector<std::int64_t> shape, void* data,
+                        std::size_t nbytes, std::shared_ptr<const void> owner, int fd,
+                        std::size_t fd_offset) {
+    Tensor t = view(dtype, std::move(shape), data, nbytes, std::move(owner));
+    t.fd_ = fd;
+    t.fd_offset_ = fd_offset;
+    return t;
+  }
+  // The shared-memory file holding the data, or -1; and the data's offset in it.
+  int shm_fd() const { return fd_; }
+  std::size_t shm_offset() const { return fd_offset_; }
+
   bool defined() const { return owner_ != nullptr; }
   DType dtype() const { return dtype_; }
   const std::vector<std::int64_t>& shape() const { return shape_; }
@@ -187,6 +201,7 @@ class Tensor {
     t.shape_[0] = end - begin;
     t.data_ = data_ + row * static_cast<std::size_t>(begin);
     t.nbytes_ = row * static_cast<std::size_t>(end - begin);
+    t.fd_offset_ = fd_offset_ + row * static_cast<std::size_t>(begin);
     return t;
   }
 
@@ -248,6 +263,8 @@ class Tensor {
   std::byte* data_ = nullptr;
   std::size_t nbytes_ = 0;
   std::shared_ptr<const void> owner_;
+  int fd_ = -1;
+  std::size_t fd_offset_ = 0;
 };
 
 // Raw bytes (msgpack bin), as opposed to text.

@@ -1,0 +1,101 @@
+#include <catch2/catch.hpp>
+
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "core/error.hpp"
+#include "transports/shm/segment.hpp"
+#include "transports/zmq/message.hpp"
+
+using namespace twinkle;
+using namespace twinkle::transport;
+
+namespace {
+
+Tensor pattern(std::size_t bytes) {
+  Tensor t(DType::u8, {static_cast<std::int64_t>(bytes)});
+  std::uint32_t x = 2463534242u;
+  for (auto& b : t.mutable_span<std::uint8_t>()) {
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    b = static_cast<std::uint8_t>(x);
+  }
+  return t;
+}
+
+struct Pair {
+  int fds[2];
+  Pair() { REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) == 0); }
+};
+
+}  // namespace
+
+TEST_CASE("a large tensor crosses as shared memory, bit-exact, with no payload frame", "[shm]") {
+  Pair p;
+  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  Tensor big = pattern(24 << 20);
+  Tensor small = pattern(1000);
+  auto frames =
+      encode_message(Message{MsgType::call, 7, Value::map({{"big", big}, {"small", small}})}, &a);
+  REQUIRE(frames.size() == 5);
+  std::size_t payload = 0;
+  for (std::size_t i = 3; i < frames.size(); ++i) payload += frames[i].size();
+  CHECK(payload == 1000);  // only the small tensor travels in a frame
+  Message m = decode_message(std::move(frames), &b);
+  CHECK(m.id == 7);
+  CHECK(m.body["big"].tensor().equals(big));
+  CHECK(m.body["small"].tensor().equals(small));
+  CHECK(m.body["big"].tensor().shm_fd() >= 0);
+}
+
+TEST_CASE("slices of a shared tensor are sent at their offsets without a copy", "[shm]") {
+  Pair p;
+  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  Tensor src = pattern(6 << 20);
+  Tensor t = shm_tensor(DType::u8, src.shape());
+  std::memcpy(t.mutable_data(), src.data(), src.nbytes());
+  Tensor part = t.slice(1234567, 5 << 20);  // not page-aligned
+  Message m = decode_message(encode_message(Message{MsgType::call, 1, Value(part)}, &a), &b);
+  CHECK(m.body.tensor().equals(part));
+}
+
+TEST_CASE("without a channel, shared-memory entries are refused; dropped descriptors are skipped",
+          "[shm]") {
+  Pair p;
+  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  auto dropped = encode_message(Message{MsgType::call, 1, Value(pattern(2 << 20))}, &a);
+  CHECK_THROWS_WITH(
+      decode_message(encode_message(Message{MsgType::call, 2, Value(pattern(2 << 20))}, &a)),
+      Catch::Contains("without a channel") || Catch::Contains("a shared-memory tensor"));
+  Tensor third = pattern(3 << 20);
+  Message m = decode_message(encode_message(Message{MsgType::call, 3, Value(third)}, &a), &b);
+  CHECK(m.body.tensor().equals(third));  // the two earlier descriptors were closed and skipped
+}
+
+TEST_CASE("the pool reuses a segment only after every peer released it", "[shm]") {
+  Pair p;
+  ShmPool pool;
+  ShmChannel a(p.fds[0], &pool), b(p.fds[1]);
+  const void* first_data = nullptr;
+  Tensor other;  // stays in use throughout
+  {
+    Tensor t = pool.tensor(DType::f32, {1 << 20});
+    first_data = t.data();
+    Message m = decode_message(encode_message(Message{MsgType::call, 1, Value(t)}, &a), &b);
+    CHECK(pool.segments() == 1);
+    // The driver drops its tensor, but the peer still maps the segment: a new one is made.
+    t = Tensor();
+    other = pool.tensor(DType::f32, {1 << 20});
+    CHECK(other.data() != first_data);
+    CHECK(pool.segments() == 2);
+    auto released = b.take_released();
+    CHECK(released.empty());
+    m = Message{};  // the peer lets go
+  }
+  auto released = b.take_released();
+  REQUIRE(released.size() == 1);
+  pool.released(released[0]);
+  Tensor reused = pool.tensor(DType::f32, {1 << 20});
+  CHECK(reused.data() == first_data);
+  CHECK(pool.segments() == 2);
+}
