@@ -502,23 +502,15 @@ class JobRun {
         auto fn = plugin_->find_dispatcher(m->custom_dispatch);
         EncodedValue ea = encode(a);
         for (std::size_t i = 0; i < cs.workers.size(); ++i) {
-          std::optional<Value> v;
-          std::string e;
-          struct Target {
-            std::optional<Value>* v;
-            std::string* e;
-          } t{&v, &e};
-          twk_sink_v1 sink{
-              &t,
-              [](void* p, const twk_value_v1* val) { *static_cast<Target*>(p)->v = decode(*val); },
-              [](void* p, const char* msg) { *static_cast<Target*>(p)->e = msg ? msg : ""; }};
+          SinkCapture got;
+          twk_sink_v1 sink = got.sink(/*to_shm=*/true);
           if (fn(static_cast<std::int32_t>(cs.workers.size()), static_cast<std::int32_t>(i),
                  groups_[gi].mesh_abi->view(), ea.view(), &sink) != TWK_OK ||
-              !v) {
-            return fail(err, fmt::format("custom dispatch {} failed for worker {}: {}",
-                                         m->custom_dispatch, i, e));
+              !got.value) {
+            return fail(err, fmt::format("{}: custom dispatch {} failed for worker {}: {}", what,
+                                         m->custom_dispatch, i, got.error.value_or("no value")));
           }
-          per_worker.push_back(std::move(*v));
+          per_worker.push_back(std::move(*got.value));
         }
       } else {
         per_worker = dispatch_args(m->dispatch, a, mesh, cs.workers, what);
@@ -596,23 +588,15 @@ class JobRun {
         for (const auto& r : results) enc.push_back(encode(r));
         std::vector<twk_value_v1> views;
         for (auto& e : enc) views.push_back(*e.view());
-        std::optional<Value> v;
-        std::string e;
-        struct Target {
-          std::optional<Value>* v;
-          std::string* e;
-        } t{&v, &e};
-        twk_sink_v1 sink{
-            &t,
-            [](void* p, const twk_value_v1* val) { *static_cast<Target*>(p)->v = decode(*val); },
-            [](void* p, const char* msg) { *static_cast<Target*>(p)->e = msg ? msg : ""; }};
+        SinkCapture got;
+        twk_sink_v1 sink = got.sink();
         if (fn(views.data(), static_cast<std::uint32_t>(views.size()),
                groups_[cs.group].mesh_abi->view(), &sink) != TWK_OK ||
-            !v) {
+            !got.value) {
           return fail(out, fmt::format("{}: custom collect {} failed: {}", prefix,
-                                       cs.method->custom_collect, e));
+                                       cs.method->custom_collect, got.error.value_or("no value")));
         }
-        collected = std::move(*v);
+        collected = std::move(*got.value);
       } else {
         collected = collect_results(cs.method->collect, std::move(results),
                                     groups_[cs.group].spec->mesh, cs.workers, cs.what);

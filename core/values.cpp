@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "transports/shm/segment.hpp"
 
 namespace twinkle::core {
 
@@ -46,6 +47,20 @@ DeviceMesh mesh_from_value(const Value& v) {
   } catch (const std::exception& e) {
     throw TransportError(fmt::format("malformed mesh description: {}", e.what()));
   }
+}
+
+twk_sink_v1 SinkCapture::sink(bool to_shm) {
+  auto error = [](void* t, const char* m) { static_cast<SinkCapture*>(t)->error = m ? m : ""; };
+  if (to_shm) {
+    return {this,
+            [](void* t, const twk_value_v1* v) {
+              static_cast<SinkCapture*>(t)->value = transport::decode_to_shm(*v);
+            },
+            error};
+  }
+  return {this,
+          [](void* t, const twk_value_v1* v) { static_cast<SinkCapture*>(t)->value = decode(*v); },
+          error};
 }
 
 MeshAbi::MeshAbi(const DeviceMesh& mesh) {

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,14 @@ Value to_value(const toml::node& node);
 // throws TransportError for a malformed description.
 Value mesh_to_value(const DeviceMesh& mesh);
 DeviceMesh mesh_from_value(const Value& v);
+
+// What a plugin function wrote to the sink it was given. With `to_shm`, tensors of the value
+// that are large enough are copied straight into shared memory (ready to be sent on).
+struct SinkCapture {
+  std::optional<Value> value;
+  std::optional<std::string> error;
+  twk_sink_v1 sink(bool to_shm = false);
+};
 
 // A DeviceMesh in the plugin ABI's form (twk_mesh_v1), owning the arrays it points into.
 // Not copyable (the view points into itself).

@@ -85,15 +85,24 @@ struct SharedArgs {
   }
 };
 
-struct Captured {
-  std::optional<Value> value;
-  std::optional<std::string> error;
-  twk_sink_v1 sink() {
-    return {this,
-            [](void* t, const twk_value_v1* v) { static_cast<Captured*>(t)->value = decode(*v); },
-            [](void* t, const char* m) { static_cast<Captured*>(t)->error = m ? m : ""; }};
-  }
+// Arguments for a plugin call: `view` borrows from `hold`, and the plugin may keep them past the
+// call through retain/release instead of copying.
+struct Shared {
+  std::unique_ptr<SharedArgs, void (*)(SharedArgs*)> hold;
+  twk_value_v1 view;
 };
+
+Shared share(Value v) {
+  auto* s = new SharedArgs;
+  s->value = std::move(v);
+  Shared out{{s, [](SharedArgs* p) { SharedArgs::release(p); }}, {}};
+  s->encoded = encode(s->value);
+  out.view = *s->encoded.view();
+  out.view.owner = s;
+  out.view.retain = &SharedArgs::retain;
+  out.view.release = &SharedArgs::release;
+  return out;
+}
 
 class Worker {
  public:
@@ -308,20 +317,12 @@ class Worker {
            Value::map({{"ok", false}, {"error", "the worker's plugin has no class " + cls_name}}));
       return;
     }
-    auto* shared = new SharedArgs;
-    shared->value = m.body["args"];
-    std::unique_ptr<SharedArgs, void (*)(SharedArgs*)> hold(
-        shared, [](SharedArgs* s) { SharedArgs::release(s); });
-    shared->encoded = encode(shared->value);
-    twk_value_v1 args = *shared->encoded.view();
-    args.owner = shared;
-    args.retain = &SharedArgs::retain;
-    args.release = &SharedArgs::release;
+    Shared args = share(m.body["args"]);
     twk_context_v1 ctx = context();
-    Captured err;
+    SinkCapture err;
     twk_sink_v1 sink = err.sink();
     void* self = nullptr;
-    if (cls->construct(&host_, &ctx, &args, &self, &sink) != TWK_OK) {
+    if (cls->construct(&host_, &ctx, &args.view, &self, &sink) != TWK_OK) {
       send(MsgType::created, m.id,
            Value::map({{"ok", false}, {"error", err.error.value_or("constructor failed")}}));
       return;
@@ -341,24 +342,17 @@ class Worker {
     if (!mi)
       return reply_error("class " + it->second.cls->name + " has no remote method " + method);
 
-    auto* shared = new SharedArgs;
-    // Moved out of the message so that the arguments die with `hold` (below), before the reply.
-    shared->value = std::move(m.body["args"]);
+    // Moved out of the message so that the arguments die with `args.hold` (below), before the
+    // reply.
+    Shared args = share(std::move(m.body["args"]));
     m.body.map_items().erase("args");
-    std::unique_ptr<SharedArgs, void (*)(SharedArgs*)> hold(
-        shared, [](SharedArgs* s) { SharedArgs::release(s); });
-    shared->encoded = encode(shared->value);
-    twk_value_v1 args = *shared->encoded.view();
-    args.owner = shared;
-    args.retain = &SharedArgs::retain;
-    args.release = &SharedArgs::release;
     twk_context_v1 ctx = context();
-    Captured out;
-    twk_sink_v1 sink = out.sink();
-    std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args, &sink);
+    SinkCapture out;
+    twk_sink_v1 sink = out.sink(/*to_shm=*/true);
+    std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);
     // Shared-memory arguments the plugin did not keep are released now, so that the reply can
     // tell the driver it may reuse them.
-    hold.reset();
+    args.hold.reset();
     if (rc != TWK_OK || out.error)
       return reply_error(out.error.value_or("the method failed without a message"));
     send(MsgType::reply, m.id, Value::map({{"ok", true}, {"value", out.value.value_or(Value())}}));

@@ -76,19 +76,29 @@ class NcclCommunicator : public Communicator {
   }
 
   int rank() const override { return config_.rank; }
+  // After a failure NCCL's communicator is aborted: later calls must not reach it.
+  void usable(const char* op) const {
+    if (!comm_) {
+      throw TransportError(fmt::format(
+          "{} on {}: the communicator failed earlier and cannot be used again", op, config_.name));
+    }
+  }
   int size() const override { return config_.size; }
 
   void all_reduce(void* data, std::size_t count, DType dtype, ReduceOp op) override {
+    usable("all_reduce");
     check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_),
                "ncclAllReduce");
     finish("all_reduce");
   }
   void broadcast(void* data, std::size_t count, DType dtype, int root) override {
+    usable("broadcast");
     check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_),
                "ncclBroadcast");
     finish("broadcast");
   }
   void all_gather(const void* in, void* out, std::size_t count, DType dtype) override {
+    usable("all_gather");
     check_nccl(ncclAllGather(in, out, count, nccl_type(dtype), comm_, stream_), "ncclAllGather");
     finish("all_gather");
   }
