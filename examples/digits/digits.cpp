@@ -10,9 +10,14 @@
 
 #include <zlib.h>
 
+#ifdef DIGITS_HAVE_CUDA
+#include "mlp_cuda.hpp"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <span>
 #include <sstream>
@@ -97,6 +102,16 @@ class Mlp {
     init(w2, hidden_, kClasses);
     std::copy(w1.begin(), w1.end(), params_.begin());
     std::copy(w2.begin(), w2.end(), params_.begin() + static_cast<std::ptrdiff_t>(w2_at()));
+    if (ctx.device() == "cuda") {
+#ifdef DIGITS_HAVE_CUDA
+      // The same initial parameters, then everything happens on the GPU; NCCL sums the gradients.
+      cuda_ = std::make_unique<CudaMlp>(hidden_, params_, lr_, momentum_);
+#else
+      throw std::runtime_error(
+          "this build of the digits example has no CUDA kernels (the CUDA toolkit was not "
+          "found when it was built); run the cpu job or rebuild where CUDA is installed");
+#endif
+    }
     ctx.log("MLP 64-{}-10 on rank {} (dp rank {} of {})", hidden_, ctx.rank(), ctx.rank_in("dp"),
             ctx.size_of("dp"));
   }
@@ -104,6 +119,15 @@ class Mlp {
   // Forward and backward on this worker's slice; the sums of all slices are added with
   // all_reduce, then every replica takes the same step. Returns the global batch's mean loss.
   Value train_step(Context& ctx, const Tensor& x, const Tensor& y) {
+#ifdef DIGITS_HAVE_CUDA
+    if (cuda_) {
+      double* grad = cuda_->gradients(x.span<float>().data(), y.span<std::int64_t>().data(),
+                                      static_cast<int>(y.numel()));
+      ctx.comm("dp").all_reduce(grad, cuda_->grad_size(), twinkle::DType::f64);
+      const auto [loss, rows] = cuda_->step();
+      return Value::map({{"loss", loss}, {"rows", static_cast<std::int64_t>(rows)}});
+    }
+#endif
     std::vector<double> grad(size() + 2, 0.0);  // gradients, then loss sum and row count
     const double loss = forward_backward(x, y, &grad);
     grad[size()] = loss;
@@ -122,6 +146,12 @@ class Mlp {
     std::int64_t correct = 0;
     const auto xs = x.span<float>();
     const auto ys = y.span<std::int64_t>();
+#ifdef DIGITS_HAVE_CUDA
+    if (cuda_) {
+      correct = cuda_->evaluate(xs.data(), ys.data(), static_cast<int>(ys.size()));
+      return Value::map({{"correct", correct}, {"rows", static_cast<std::int64_t>(ys.size())}});
+    }
+#endif
     std::vector<double> h(static_cast<std::size_t>(hidden_)), logits(kClasses);
     for (std::size_t r = 0; r < ys.size(); ++r) {
       forward(xs.subspan(r * kFeatures, kFeatures), h, logits);
@@ -193,6 +223,9 @@ class Mlp {
   double momentum_;
   std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
   std::vector<double> velocity_;
+#ifdef DIGITS_HAVE_CUDA
+  std::unique_ptr<CudaMlp> cuda_;
+#endif
 };
 
 TWINKLE_CLASS(Mlp, twinkle::execute::all);
