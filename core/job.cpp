@@ -341,7 +341,6 @@ class JobReader {
     }
     if (auto n = t.get("mesh")) {
       g.mesh = read_mesh(get_table(*n, gp + ".mesh"), gp + ".mesh", label, g.workers());
-      g.mesh_declared = true;
     } else {
       g.mesh = DeviceMesh::data_parallel(g.workers());
     }

@@ -29,7 +29,6 @@ struct GroupSpec {
   DeviceType device = DeviceType::cpu;
   int gpus_per_worker = 1;
   DeviceMesh mesh = DeviceMesh::data_parallel(1);
-  bool mesh_declared = false;
   SourceRef where;        // the [[group]] table
   SourceRef ranks_where;  // its ranks key (or the table when absent)
 

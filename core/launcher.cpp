@@ -186,11 +186,6 @@ bool LocalLauncher::pump_output(int timeout_ms) {
   return true;
 }
 
-void LocalLauncher::terminate_others(const Proc& dead) {
-  (void)dead;
-  if (pgid_) kill(-pgid_, SIGTERM);
-}
-
 void LocalLauncher::on_exit(Proc& p, int status) {
   WorkerExit e;
   e.name = p.name;
@@ -219,7 +214,7 @@ void LocalLauncher::on_exit(Proc& p, int status) {
       write_all(2, fmt::format("twinkle: worker {} (pid {}) {}; stopping the other workers\n",
                                e.name, e.pid, e.describe()));
     }
-    terminate_others(p);
+    if (pgid_) kill(-pgid_, SIGTERM);  // stop the others
   }
 }
 
@@ -283,15 +278,6 @@ std::vector<pid_t> LocalLauncher::pids() const {
   std::lock_guard lock(mu_);
   std::vector<pid_t> out;
   for (const auto& p : procs_) out.push_back(p->pid);
-  return out;
-}
-
-std::vector<WorkerExit> LocalLauncher::exits() const {
-  std::lock_guard lock(mu_);
-  std::vector<WorkerExit> out;
-  for (const auto& p : procs_) {
-    if (p->exit) out.push_back(*p->exit);
-  }
   return out;
 }
 

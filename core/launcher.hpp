@@ -84,8 +84,6 @@ class LocalLauncher {
 
   std::vector<pid_t> pids() const;
   std::size_t running() const;
-  // Exits seen so far (all of them, expected or not).
-  std::vector<WorkerExit> exits() const;
 
  private:
   struct Proc;
@@ -94,7 +92,6 @@ class LocalLauncher {
   void reap();
   void on_exit(Proc& p, int status);
   void write_line(Proc& p, bool is_stderr, const std::string& line);
-  void terminate_others(const Proc& dead);
 
   LaunchOptions options_;
   std::vector<std::unique_ptr<Proc>> procs_;
