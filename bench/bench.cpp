@@ -125,11 +125,25 @@ int main(int argc, char** argv) {
   const bool quick = argc > 3 && std::string(argv[3]) == "--quick";
   const int calls = quick ? 1000 : 5000;
   try {
-    const auto [zmq_p50, zmq_p99] = zmq_rtt(calls);
+    // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
+    // times, alternating, and the medians are compared.
+    std::vector<double> zp50, zp99, tp50, tp99;
+    std::map<std::string, double> c;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto [p50, p99] = zmq_rtt(calls);
+      zp50.push_back(p50);
+      zp99.push_back(p99);
+      auto f = run_twinkle(twinkle, job, "calls", {fmt::format("args.calls={}", calls)}).figures;
+      tp50.push_back(f["call_rtt_p50"]);
+      tp99.push_back(f["call_rtt_p99"]);
+      if (rep == 0) c = f;
+    }
+    const double zmq_p50 = percentile(zp50, 0.5), zmq_p99 = percentile(zp99, 0.5);
+    c["call_rtt_p50"] = percentile(tp50, 0.5);
+    c["call_rtt_p99"] = percentile(tp99, 0.5);
     const std::size_t dispatch_mib = quick ? 256 : 1024;
     const double mem = memcpy_gbs(dispatch_mib << 20);
 
-    auto c = run_twinkle(twinkle, job, "calls", {fmt::format("args.calls={}", calls)}).figures;
     auto d =
         run_twinkle(twinkle, job, "dispatch", {fmt::format("args.dispatch_mib={}", dispatch_mib)})
             .figures;
@@ -149,8 +163,8 @@ int main(int argc, char** argv) {
       fmt::print("{:<46} {:>10.4g} {:<3} {:>14} {:>7.4g} {:>7.2f}x\n", name, v, unit, ref_name, ref,
                  ref > 0 ? v / ref : 0.0);
     };
-    row("1. call round trip p50, 1 worker (us)", c["call_rtt_p50"], "", "zmq rtt p50", zmq_p50);
-    row("   call round trip p99, 1 worker (us)", c["call_rtt_p99"], "", "zmq rtt p99", zmq_p99);
+    row("1. call round trip p50, 1 worker (us)*", c["call_rtt_p50"], "", "zmq rtt p50", zmq_p50);
+    row("   call round trip p99, 1 worker (us)*", c["call_rtt_p99"], "", "zmq rtt p99", zmq_p99);
     row("2. pipelined calls/s, 1 worker", c["pipelined_1_worker"], "", "1/zmq p50", 1e6 / zmq_p50);
     row("   pipelined calls/s, 8 workers", c["pipelined_8_workers"], "", "1/zmq p50",
         1e6 / zmq_p50);
