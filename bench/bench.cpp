@@ -1,5 +1,5 @@
-// `meson benchmark`: Twinkle's own costs next to references measured in the same run on the same
-// machine (raw ZeroMQ round trip over the same ipc transport, memcpy bandwidth), as ratios.
+// `meson test --benchmark`: Twinkle's own costs next to references measured in the same run on the
+// same machine (raw ZeroMQ round trip over the same ipc transport, memcpy bandwidth), as ratios.
 // Usage: twinkle_bench TWINKLE_BINARY BENCH_JOB [--quick]
 #include <sys/wait.h>
 #include <unistd.h>
