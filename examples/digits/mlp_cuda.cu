@@ -183,21 +183,25 @@ void CudaMlp::upload(const float* x, const std::int64_t* y, int rows) {
   check(cudaMemcpy(d_->y, y, sizeof(long long) * rows, cudaMemcpyHostToDevice), "cudaMemcpy");
 }
 
-double* CudaMlp::gradients(const float* x, const std::int64_t* y, int rows) {
+// Uploads a batch and computes its hidden activations and logits.
+void CudaMlp::forward(const float* x, const std::int64_t* y, int rows) {
   upload(x, y, rows);
-  const std::size_t w2 = static_cast<std::size_t>(kFeatures) * hidden_ + hidden_;
-  const std::size_t b2 = w2 + static_cast<std::size_t>(hidden_) * kClasses;
-  hidden_layer<<<blocks(rows * hidden_), kThreads>>>(
-      d_->x, d_->params, d_->params + kFeatures * hidden_, d_->h, rows, hidden_);
-  output_layer<<<blocks(rows * kClasses), kThreads>>>(d_->h, d_->params + w2, d_->params + b2,
-                                                      d_->logits, rows, hidden_);
+  hidden_layer<<<blocks(rows * hidden_), kThreads>>>(d_->x, d_->params, d_->params + b1_at(), d_->h,
+                                                     rows, hidden_);
+  output_layer<<<blocks(rows * kClasses), kThreads>>>(
+      d_->h, d_->params + w2_at(), d_->params + b2_at(), d_->logits, rows, hidden_);
+}
+
+double* CudaMlp::gradients(const float* x, const std::int64_t* y, int rows) {
+  forward(x, y, rows);
+  const std::size_t w2 = w2_at(), b2 = b2_at();
   softmax_xent<<<blocks(rows), kThreads>>>(d_->logits, d_->y, d_->dl, d_->loss, rows);
   grad_output<<<blocks(hidden_ * kClasses + kClasses), kThreads>>>(d_->h, d_->dl, d_->grad + w2,
                                                                    d_->grad + b2, rows, hidden_);
   grad_hidden<<<blocks(rows * hidden_), kThreads>>>(d_->h, d_->dl, d_->params + w2, d_->dh, rows,
                                                     hidden_);
   grad_input<<<blocks(kFeatures * hidden_ + hidden_), kThreads>>>(
-      d_->x, d_->dh, d_->grad, d_->grad + kFeatures * hidden_, rows, hidden_);
+      d_->x, d_->dh, d_->grad, d_->grad + b1_at(), rows, hidden_);
   totals<<<1, 1>>>(d_->loss, d_->grad + size_, rows);
   check(cudaGetLastError(), "digits kernels");
   check(cudaDeviceSynchronize(), "digits kernels");
@@ -214,13 +218,7 @@ std::pair<double, double> CudaMlp::step() {
 }
 
 std::int64_t CudaMlp::evaluate(const float* x, const std::int64_t* y, int rows) {
-  upload(x, y, rows);
-  const std::size_t w2 = static_cast<std::size_t>(kFeatures) * hidden_ + hidden_;
-  const std::size_t b2 = w2 + static_cast<std::size_t>(hidden_) * kClasses;
-  hidden_layer<<<blocks(rows * hidden_), kThreads>>>(
-      d_->x, d_->params, d_->params + kFeatures * hidden_, d_->h, rows, hidden_);
-  output_layer<<<blocks(rows * kClasses), kThreads>>>(d_->h, d_->params + w2, d_->params + b2,
-                                                      d_->logits, rows, hidden_);
+  forward(x, y, rows);
   check(cudaMemset(d_->correct, 0, sizeof(unsigned long long)), "cudaMemset");
   count_correct<<<blocks(rows), kThreads>>>(d_->logits, d_->y, d_->correct, rows);
   unsigned long long correct = 0;

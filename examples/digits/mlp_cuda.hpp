@@ -31,6 +31,11 @@ class CudaMlp {
  private:
   struct Device;
   void upload(const float* x, const std::int64_t* y, int rows);
+  void forward(const float* x, const std::int64_t* y, int rows);
+  // Offsets in the parameter (and gradient) buffer: W1 at 0, then b1, W2, b2.
+  std::size_t b1_at() const { return std::size_t{64} * static_cast<std::size_t>(hidden_); }
+  std::size_t w2_at() const { return b1_at() + static_cast<std::size_t>(hidden_); }
+  std::size_t b2_at() const { return w2_at() + static_cast<std::size_t>(hidden_) * 10; }
 
   int hidden_;
   std::size_t size_;
