@@ -99,8 +99,8 @@ double spawn_and_reap(int n) {
 // `mpirun -np 8 /bin/true` in seconds, or a negative number when OpenMPI is not installed.
 double mpirun_true(int n) {
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0) return -1;
-  const std::string cmd = fmt::format(
-      "mpirun --allow-run-as-root --oversubscribe -np {} /bin/true >/dev/null 2>&1", n);
+  const std::string cmd =
+      fmt::format("mpirun --allow-run-as-root --oversubscribe -np {} /bin/true >/dev/null 2>&1", n);
   const auto t0 = Clock::now();
   if (std::system(cmd.c_str()) != 0) return -1;
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -210,11 +210,11 @@ int main(int argc, char** argv) {
         d["dispatch_bandwidth"], "", "memcpy GB/s", mem);
     row("5. launch to first call done, 8 workers (s)", first.mark_s, "", "-", 0);
     row("   whole run, no-op driver, 11 workers (s)", noop.total_s, "", "-", 0);
-    row("   8 workers start, 1 all_reduce, exit (s)", percentile(launch, 0.5), "",
-        "spawn+reap 8", percentile(floor, 0.5));
+    row("   8 workers start, 1 all_reduce, exit (s)", percentile(launch, 0.5), "", "spawn+reap 8",
+        percentile(floor, 0.5));
     if (!mpi.empty()) {
-      row("   same figure next to mpirun -np 8 true (s)", percentile(launch, 0.5), "",
-          "mpirun", percentile(mpi, 0.5));
+      row("   same figure next to mpirun -np 8 true (s)", percentile(launch, 0.5), "", "mpirun",
+          percentile(mpi, 0.5));
     } else {
       fmt::print("   (mpirun not installed: no MPI reference for the launch figure)\n");
     }

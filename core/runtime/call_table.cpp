@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/job/dispatch.hpp"
 
@@ -15,12 +16,6 @@ using Clock = std::chrono::steady_clock;
 using transport::ChannelEvent;
 using transport::Message;
 using transport::MsgType;
-
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
-  return out;
-}
 
 Clock::time_point deadline_after(double seconds) {
   return Clock::now() +
@@ -165,7 +160,7 @@ void CallTable::start(std::chrono::milliseconds timeout,
       for (const auto& w : workers_) {
         if (!w.ready) missing.push_back(w.name);
       }
-      throw CallError(fmt::format("workers {} did not start within {} s", join(missing),
+      throw CallError(fmt::format("workers {} did not start within {} s", fmt::join(missing, ", "),
                                   timeout.count() / 1000));
     }
     pump(left);
@@ -196,7 +191,7 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, c
       throw CallError(
           fmt::format("{} timed out after {:g} s: ranks [{}] did not answer; raise "
                       "job.timeout_s",
-                      what, timeout_s_, join(missing)));
+                      what, timeout_s_, fmt::join(missing, ", ")));
     }
     pump(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) +
          std::chrono::milliseconds(1));
@@ -219,9 +214,9 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   if (!m) {
     std::vector<std::string> names;
     for (const auto& mm : cls.methods) names.push_back(mm.name);
-    throw CallError(
-        fmt::format("no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD",
-                    method_name, cls.name, names.empty() ? "none" : join(names)));
+    throw CallError(fmt::format(
+        "no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD", method_name,
+        cls.name, names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", "))));
   }
   const std::string what = fmt::format("{}.{}", cls.name, m->name);
   check_failed(what);
@@ -274,8 +269,8 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
 Value CallTable::wait(std::uint64_t future) {
   auto it = calls_.find(future);
   if (it == calls_.end()) throw CallError("unknown or already collected call");
-  const std::string prefix =
-      fmt::format("[twinkle driver caller: {}] {}", it->second.caller, it->second.what);
+  // The SDK puts "[twinkle driver caller: FILE:LINE]" in front (detail::caller_prefix).
+  const std::string prefix = it->second.what;
   while (it->second.answered < it->second.workers.size()) {
     Call& c = it->second;
     const auto cancelled = this->cancelled();
@@ -294,7 +289,7 @@ Value CallTable::wait(std::uint64_t future) {
       throw CallError(fmt::format(
           "{} timed out after {:g} s: ranks [{}] of group {} did not answer; raise the method's "
           "timeout (twinkle::timeout in TWINKLE_METHOD) or job.timeout_s",
-          prefix, c.timeout_s, join(missing), groups_[c.group].name));
+          prefix, c.timeout_s, fmt::join(missing, ", "), groups_[c.group].name));
     }
     pump(std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - Clock::now()) +
          std::chrono::milliseconds(1));
@@ -312,7 +307,7 @@ Value CallTable::wait(std::uint64_t future) {
       for (const auto& [p, _] : c.errors) {
         if (p != pos) others.push_back(std::to_string(c.workers[p]));
       }
-      msg += fmt::format(" (ranks {} failed too)", join(others));
+      msg += fmt::format(" (ranks {} failed too)", fmt::join(others, ", "));
     }
     throw CallError(msg);
   }

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <zmq.hpp>
 
 #include "core/job/placement.hpp"
@@ -91,12 +92,6 @@ const char* signal_name(int sig) {
   return "a signal";
 }
 
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
-  return out;
-}
-
 class JobRun : public DriverOps {
  public:
   explicit JobRun(const RunOptions& o) : options_(o) {}
@@ -129,7 +124,8 @@ class JobRun : public DriverOps {
       throw PluginError(fmt::format(
           "{}: plugin has no driver entry \"{}\" (it has: {}); declare TWINKLE_DRIVER({}, "
           "twinkle::Driver& d) or set job.driver",
-          job_.plugin_path.string(), job_.driver, names.empty() ? "none" : join(names),
+          job_.plugin_path.string(), job_.driver,
+          names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", ")),
           job_.driver));
     }
 
@@ -178,14 +174,15 @@ class JobRun : public DriverOps {
       for (const auto& c : plugin_->classes()) names.push_back(c.name);
       throw CallError(fmt::format(
           "create: the plugin has no class {} (it has: {}); declare it with TWINKLE_CLASS",
-          cls_name, names.empty() ? "none" : join(names)));
+          cls_name,
+          names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", "))));
     }
     const auto gi = table_->find_group(group);
     if (!gi) {
       std::vector<std::string> names;
       for (const auto& g : table_->groups()) names.push_back(g.name);
       throw CallError(fmt::format("create {}: the job has no group \"{}\" (it has: {}); see {}",
-                                  cls_name, group, join(names), job_.file.string()));
+                                  cls_name, group, fmt::join(names, ", "), job_.file.string()));
     }
     return table_->create(*cls, *gi, decode(args));
   }
@@ -350,7 +347,8 @@ class JobRun : public DriverOps {
         std::fprintf(stderr,
                      "twinkle: worker(s) %s did not exit within %lld s of the shutdown (stopped "
                      "or stuck); killed them\n",
-                     join(stopped).c_str(), static_cast<long long>(kShutdownGrace.count()));
+                     fmt::format("{}", fmt::join(stopped, ", ")).c_str(),
+                     static_cast<long long>(kShutdownGrace.count()));
       }
       return {RunResult::Outcome::ok, 0};
     }

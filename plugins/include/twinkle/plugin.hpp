@@ -117,6 +117,8 @@ inline std::string base_name(const char* path) {
   return std::string(slash == std::string_view::npos ? p : p.substr(slash + 1));
 }
 
+// The one place that writes the call site into an error: "[twinkle driver caller: FILE:LINE] ".
+// The host's messages never carry it; every error of call(), create() and get() gets it here.
 inline std::string caller_prefix(const std::source_location& where) {
   return "[twinkle driver caller: " + base_name(where.file_name()) + ":" +
          std::to_string(where.line()) + "] ";
@@ -407,8 +409,9 @@ class Context {
 // their results were collected, and throws RemoteError if the call failed. Move-only.
 class LazyCollect {
  public:
-  LazyCollect(const twk_host_v1* host, void* host_ctx, std::uint64_t future)
-      : host_(host), host_ctx_(host_ctx), future_(future) {}
+  LazyCollect(const twk_host_v1* host, void* host_ctx, std::uint64_t future,
+              std::source_location where = std::source_location::current())
+      : host_(host), host_ctx_(host_ctx), future_(future), where_(where) {}
   LazyCollect(LazyCollect&& o) noexcept { *this = std::move(o); }
   LazyCollect& operator=(LazyCollect&& o) noexcept {
     if (this != &o) {
@@ -416,6 +419,7 @@ class LazyCollect {
       host_ = o.host_;
       host_ctx_ = o.host_ctx_;
       future_ = std::exchange(o.future_, 0);
+      where_ = o.where_;
       result_ = std::move(o.result_);
       error_ = std::move(o.error_);
     }
@@ -431,7 +435,7 @@ class LazyCollect {
       twk_sink_v1 sink = t.sink();
       std::uint64_t f = std::exchange(future_, 0);
       if (host_->wait(host_ctx_, f, &sink) != TWK_OK || t.failed) {
-        error_ = t.error.empty() ? "remote call failed" : t.error;
+        error_ = detail::caller_prefix(where_) + (t.error.empty() ? "remote call failed" : t.error);
       } else {
         result_ = t.value ? std::move(*t.value) : Value();
       }
@@ -457,6 +461,7 @@ class LazyCollect {
   const twk_host_v1* host_ = nullptr;
   void* host_ctx_ = nullptr;
   std::uint64_t future_ = 0;
+  std::source_location where_;  // the call() that started it
   std::optional<Value> result_;
   std::optional<std::string> error_;
 };
@@ -491,7 +496,7 @@ class Handle {
                     method.where.line(), &future, &sink) != TWK_OK) {
       throw RemoteError(detail::caller_prefix(method.where) + t.error);
     }
-    return LazyCollect(host_, host_ctx_, future);
+    return LazyCollect(host_, host_ctx_, future, method.where);
   }
 
   const std::string& class_name() const { return cls_; }
