@@ -279,6 +279,62 @@ PY
     run 2 "$TWK" run --set job.sed=1 "$TMP/job.toml"
     expect_clean
     ;;
+  intruder)
+    # A process of the same user that talks to the control socket is ignored and counted, never
+    # fatal; the run goes on.
+    start_hanging
+    rundir=$(ls -d "$TMPDIR"/twinkle-run.*)
+    TWINKLE_WORKER_NAME=intruder "$TWK" worker --endpoint "ipc://$rundir/ctl" --plugin "$PLUGIN" \
+      >"$TMP/intruder.out" 2>&1 &
+    INTRUDER=$!
+    deadline=$((SECONDS + 10))
+    until grep -q 'from an unknown peer "intruder"' "$TMP/err"; do
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/err"; fail "the intruder's hello was not reported"; }
+      sleep 0.05
+    done
+    kill -0 $DRIVER_PID 2>/dev/null || fail "an unknown peer stopped the run"
+    kill $INTRUDER 2>/dev/null; wait $INTRUDER 2>/dev/null
+    kill -TERM $DRIVER_PID
+    wait_driver
+    [ "$DRIVER_RC" -eq 143 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 143"; }
+    grep -q "internal error" "$TMP/err" && fail "an unknown peer caused an internal error"
+    expect_clean
+    ;;
+  freeze)
+    # A worker frozen with SIGSTOP: the run still ends at once after a bounded grace and names it.
+    write_job "" ""
+    start=$(date +%s%N)
+    run 0 "$TWK" run --set job.driver=freeze "$TMP/job.toml"
+    took_ms=$((($(date +%s%N) - start) / 1000000))
+    [ "$took_ms" -lt 8000 ] || fail "a frozen worker held the shutdown for $took_ms ms"
+    expect_err "worker(s) b:0 did not exit within 2 s of the shutdown (stopped or stuck); killed them"
+    expect_clean
+    ;;
+  run_dirs)
+    # An unwritable --log-dir fails before anything starts.
+    write_job "" ""
+    run 2 "$TWK" run --set job.driver=throws --log-dir /proc/twinkle-logs "$TMP/job.toml"
+    expect_err "--log-dir /proc/twinkle-logs: cannot write there"
+    # A run folder whose driver is gone (killed before it could clean up) is removed by the
+    # next run; a folder that is not a run's is left alone.
+    dead=99999
+    while kill -0 $dead 2>/dev/null; do dead=$((dead + 1)); done
+    mkdir -p "$TMPDIR/twinkle-run.0badc0de.AbCdEf" "$TMPDIR/twinkle-run.notours"
+    echo "$dead 12345" >"$TMPDIR/twinkle-run.0badc0de.AbCdEf/driver"
+    run 0 "$TWK" run --quiet --set job.driver=modes "$TMP/job.toml"
+    [ -e "$TMPDIR/twinkle-run.0badc0de.AbCdEf" ] && fail "the stale run folder was not removed"
+    [ -d "$TMPDIR/twinkle-run.notours" ] || fail "a folder without an owner file was removed"
+    rmdir "$TMPDIR/twinkle-run.notours"
+    # A TMPDIR too long for a Unix socket path: the run uses /tmp and still works.
+    long="$TMPDIR/$(printf 'd%.0s' $(seq 1 100))"
+    mkdir -p "$long"
+    before=$(ls -d /tmp/twinkle-run.* 2>/dev/null | wc -l)
+    TMPDIR="$long" run 0 "$TWK" run --quiet --set job.driver=modes "$TMP/job.toml"
+    grep -q "File name too long\|internal error" "$TMP/err" && fail "a long TMPDIR broke the run"
+    [ "$(ls -d /tmp/twinkle-run.* 2>/dev/null | wc -l)" -eq "$before" ] || fail "a run folder was left in /tmp"
+    rmdir "$long"
+    expect_clean
+    ;;
   *) fail "unknown case $4" ;;
 esac
 echo "ok: $4"
