@@ -159,6 +159,8 @@ PY
     grep -q "root cause: worker $rank (host [^,]*, pid [0-9]*) $how" "$TMP/err" || { cat "$TMP/err"; fail "no root cause for $rank"; }
     [ "$(grep -c "| about to $4" "$TMP/err")" -eq 1 ] || fail "the last stderr lines are shown more than once"
     expect_err "| about to $4 on rank ${rank#a:}"
+    # The call the driver was waiting on when the worker died, with the driver's call site.
+    expect_err "the driver was waiting on: Probe.fail (driver caller: runtime_plugin.cpp:"
     [ "$(grep -c 'root cause' "$TMP/err")" -eq 1 ] || fail "more than one root cause"
     expect_clean
     ;;
