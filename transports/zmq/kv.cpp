@@ -1,5 +1,10 @@
 #include "transports/zmq/kv.hpp"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <vector>
 
@@ -16,11 +21,15 @@ KvServer::KvServer(zmq::context_t& context, const std::string& endpoint)
   auto socket = std::make_shared<zmq::socket_t>(context_, zmq::socket_type::router);
   socket->set(zmq::sockopt::linger, 0);
   socket->bind(endpoint_);
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_) throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
   thread_ = std::thread([this, socket] { serve(*socket); });
 }
 
 KvServer::~KvServer() {
   stop_ = true;
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -33,10 +42,15 @@ void KvServer::serve(zmq::socket_t& socket) {
     send_message(socket, Message{MsgType::kv_value, id, Value(std::move(b))}, &to);
   };
   while (!stop_) {
+    // Waits for a request or for the destructor's wake-up: no polling interval to sit out.
+    zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0},
+                                {nullptr, wake_.get(), ZMQ_POLLIN, 0}};
+    zmq::poll(items, 2, std::chrono::milliseconds(-1));
+    if (stop_) break;
     std::string from;
     std::optional<Message> m;
     try {
-      m = recv_message(socket, 100, &from);
+      m = recv_message(socket, 0, &from);
     } catch (const TransportError&) {
       continue;  // a malformed request is dropped; its sender times out with a clear message
     }

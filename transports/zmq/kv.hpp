@@ -9,6 +9,7 @@
 #include <zmq.hpp>
 
 #include "transports/communicator.hpp"
+#include "transports/fd.hpp"
 
 namespace twinkle::transport {
 
@@ -30,6 +31,7 @@ class KvServer {
   std::string endpoint_;
   zmq::context_t& context_;
   std::atomic<bool> stop_{false};
+  Fd wake_;  // eventfd: the destructor wakes the thread
   std::thread thread_;
 };
 
