@@ -22,7 +22,8 @@ KvServer::KvServer(zmq::context_t& context, const std::string& endpoint)
   socket->set(zmq::sockopt::linger, 0);
   socket->bind(endpoint_);
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_) throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+  if (!wake_)
+    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
   thread_ = std::thread([this, socket] { serve(*socket); });
 }
 
