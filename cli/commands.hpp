@@ -15,5 +15,6 @@ void setup_nodes(CLI::App& app, Action& action);
 void setup_inspect(CLI::App& app, Action& action);
 void setup_run(CLI::App& app, Action& action);
 void setup_worker(CLI::App& app, Action& action);
+void setup_keygen(CLI::App& app, Action& action);
 
 }  // namespace twinkle::cli

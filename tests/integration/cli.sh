@@ -144,6 +144,21 @@ CPP
     expect_out "plugin mine 0.0.1"
     grep -qE "^  twice +all +all +sum +job$" "$TMP/out" || fail "twice row is wrong"
     ;;
+  keygen)
+    run 0 "$TWK" keygen --out "$TMP/keys"
+    expect_out "wrote $TMP/keys/twinkle.key"
+    [ "$(stat -c %a "$TMP/keys/twinkle.key")" = 600 ] || fail "twinkle.key is not private"
+    [ "$(stat -c %a "$TMP/keys")" = 700 ] || fail "the key folder is not private"
+    pub=$(sed -n 's/^public key: //p' "$TMP/out")
+    [ ${#pub} -eq 40 ] || fail "no 40-character public key printed"
+    [ "$(cut -d" " -f1 "$TMP/keys/twinkle.pub")" = "$pub" ] || fail "twinkle.pub does not start with the public key"
+    run 2 "$TWK" keygen --out "$TMP/keys"
+    expect_err "twinkle.key already exists; keep it, or pass --force to replace it"
+    run 0 "$TWK" keygen --out "$TMP/keys" --force
+    [ "$(sed -n 's/^public key: //p' "$TMP/out")" != "$pub" ] || fail "--force kept the old key"
+    HOME="$TMP/home" run 0 "$TWK" keygen
+    [ -f "$TMP/home/.twinkle/twinkle.key" ] || fail "no key pair in ~/.twinkle by default"
+    ;;
   *) fail "unknown case $3" ;;
 esac
 echo "ok: $3"

@@ -1,0 +1,38 @@
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+// CurveZMQ keys: how members of a cluster prove who they are (DESIGN.md section 10, Security).
+// Keys are 40-character Z85 text. A member keeps its key pair in a private file; the head and the
+// agents keep the public keys they accept in an allow-list file, one key per line.
+namespace twinkle::transport {
+
+struct KeyPair {
+  std::string public_key;  // Z85, 40 characters
+  std::string secret_key;  // Z85, 40 characters
+};
+
+// A new key pair. Throws TransportError when this libzmq has no CURVE (built without libsodium).
+KeyPair generate_keypair();
+
+// Writes DIR/twinkle.key (the pair, mode 0600) and DIR/twinkle.pub (the public key and `comment`,
+// one line, ready to append to an allow-list), creating DIR with mode 0700. Refuses to replace
+// an existing key unless `overwrite`. Throws ConfigError naming the file and the fix.
+void write_keypair(const std::filesystem::path& dir, const KeyPair& keys,
+                   const std::string& comment, bool overwrite);
+
+// Reads a key pair file written by write_keypair. Throws ConfigError naming the file and the
+// line when it is not one, or when others can read it.
+KeyPair read_keypair(const std::filesystem::path& file);
+
+// Reads an allow-list: one Z85 public key per line, optionally followed by a comment; blank lines
+// and lines starting with '#' are skipped. Throws ConfigError naming the file and line of a
+// malformed key.
+std::vector<std::string> read_allowed_keys(const std::filesystem::path& file);
+
+// True when `key` is 40 characters of the Z85 alphabet.
+bool is_z85_key(const std::string& key);
+
+}  // namespace twinkle::transport
