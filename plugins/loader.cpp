@@ -17,10 +17,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::plugins {
 
@@ -211,34 +212,34 @@ bool has_field(std::uint32_t size, std::size_t offset) {
   return size >= offset + sizeof(T);
 }
 
-core::Dispatch to_dispatch(std::int32_t v, const std::string& where) {
+Dispatch to_dispatch(std::int32_t v, const std::string& where) {
   if (v < TWK_DISPATCH_ALL || v > TWK_DISPATCH_CUSTOM) {
     throw PluginError(fmt::format(
         "{}: dispatch value {} is unknown (known: 0 all, 1 slice, 2 slice_dp, 3 custom); "
         "rebuild the plugin against this twinkle's SDK",
         where, v));
   }
-  return static_cast<core::Dispatch>(v);
+  return static_cast<Dispatch>(v);
 }
 
-core::Execute to_execute(std::int32_t v, const std::string& where, bool allow_class) {
+Execute to_execute(std::int32_t v, const std::string& where, bool allow_class) {
   if (v < TWK_EXECUTE_ALL || v > (allow_class ? TWK_EXECUTE_CLASS : TWK_EXECUTE_PEER)) {
     throw PluginError(
         fmt::format("{}: execute value {} is unknown (known: 0 all, 1 first, 2 peer{}); "
                     "rebuild the plugin against this twinkle's SDK",
                     where, v, allow_class ? ", 3 as the class" : ""));
   }
-  return v == TWK_EXECUTE_CLASS ? core::Execute::all : static_cast<core::Execute>(v);
+  return v == TWK_EXECUTE_CLASS ? Execute::all : static_cast<Execute>(v);
 }
 
-core::Collect to_collect(std::int32_t v, const std::string& where) {
+Collect to_collect(std::int32_t v, const std::string& where) {
   if (v < TWK_COLLECT_NONE || v > TWK_COLLECT_CUSTOM) {
     throw PluginError(fmt::format(
         "{}: collect value {} is unknown (known: 0 none, 1 mean, 2 sum, 3 first, "
         "4 last_pp, 5 flatten, 6 custom); rebuild the plugin against this twinkle's SDK",
         where, v));
   }
-  return static_cast<core::Collect>(v);
+  return static_cast<Collect>(v);
 }
 
 std::string name_or_fail(const char* n, const std::string& what) {
@@ -431,12 +432,12 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
                                       m.timeout_s, kMaxMethodTimeoutS));
       }
       mi.timeout_s = m.timeout_s;
-      if (mi.dispatch == core::Dispatch::custom) {
+      if (mi.dispatch == Dispatch::custom) {
         if (!m.custom_dispatch)
           throw PluginError(fmt::format("{}: custom dispatch names no function", mw));
         mi.custom_dispatch = name_or_fail(m.custom_dispatch, mw + ": custom dispatch");
       }
-      if (mi.collect == core::Collect::custom) {
+      if (mi.collect == Collect::custom) {
         if (!m.custom_collect)
           throw PluginError(fmt::format("{}: custom collect names no function", mw));
         mi.custom_collect = name_or_fail(m.custom_collect, mw + ": custom collect");

@@ -7,7 +7,7 @@
 
 #include <zmq.hpp>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 #include "transports/zmq/message.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -6,9 +6,9 @@
 #include <mutex>
 #include <thread>
 
-#include "core/error.hpp"
 #include "transports/gloo/communicator.hpp"
 #include "transports/zmq/kv.hpp"
+#include "twinkle/errors.hpp"
 
 using twinkle::DType;
 using twinkle::transport::CommConfig;
