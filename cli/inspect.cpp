@@ -28,7 +28,7 @@ std::string collect_text(const plugins::MethodInfo& m) {
 }
 
 int run_inspect(const InspectOptions& o) {
-  plugins::Plugin p = plugins::Plugin::load(o.plugin);
+  plugins::Plugin p = plugins::Plugin::load_checked(o.plugin);
   if (o.json) {
     nlohmann::json classes = nlohmann::json::array();
     for (const auto& c : p.classes()) {

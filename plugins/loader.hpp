@@ -1,5 +1,8 @@
 #pragma once
 
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -37,6 +40,27 @@ struct NamedFn {
   Fn fn = nullptr;
 };
 
+// Limits on what a plugin file and its table may hold (documented in twinkle-inspect(1)).
+inline constexpr std::uint64_t kMaxPluginBytes = std::uint64_t{4} << 30;  // 4 GiB
+inline constexpr std::uint32_t kMaxTableEntries = 65536;  // classes, methods, drivers, ...
+inline constexpr std::size_t kMaxNameBytes = 256;         // class, method, entry names
+inline constexpr double kMaxMethodTimeoutS = 7 * 86400.0;
+
+// How long the load check waits for the child by default; TWINKLE_PLUGIN_LOAD_TIMEOUT_S overrides.
+inline constexpr std::chrono::milliseconds kDefaultLoadCheckTimeout{10'000};
+
+// Checks the bytes at the start of a plugin file before anything maps it: an ELF header of a
+// 64-bit shared object for this machine whose program and section headers and loadable segments
+// lie inside the file. `head` is the first bytes of the file (at least the ELF header and the
+// program header table; 64 KiB is plenty), `file_size` the whole file's size, `name` names it in
+// messages. Throws PluginError. Pure: reads only `head`, so it is safe on any input (fuzzed).
+void check_elf_image(const unsigned char* head, std::size_t head_size, std::uint64_t file_size,
+                     const std::string& name);
+
+// Opens `path` without blocking (a FIFO must not hang us), requires a regular file of at most
+// kMaxPluginBytes and runs check_elf_image on its start. Throws PluginError naming the file.
+void check_plugin_file(const std::filesystem::path& path);
+
 // A loaded and validated plugin. Owns the dlopen handle: function pointers it hands out are valid
 // while it lives. Move-only; not thread-safe to load, safe to read from several threads.
 class Plugin {
@@ -46,6 +70,15 @@ class Plugin {
   // missing entry symbol, unknown ABI version, too-small table, duplicate names, unknown enum
   // values, missing functions, custom dispatch/collect names that are not registered.
   static Plugin load(const std::filesystem::path& path);
+
+  // Loads `path` in a short-lived child process first (fork; the child dlopens, calls the entry
+  // and reads every field of the table), waits for it at most `timeout`, and reports what the
+  // child saw as a PluginError: a constructor or entry that calls exit(N), aborts, crashes or
+  // hangs, a file that makes the loader fault (SIGBUS: truncated), a table with garbage pointers.
+  // Only then loads it into this process. Blocks up to `timeout`; leaves no process behind.
+  static void check_in_child(const std::filesystem::path& path, std::chrono::milliseconds timeout);
+  // check_in_child with the default timeout (or TWINKLE_PLUGIN_LOAD_TIMEOUT_S), then load().
+  static Plugin load_checked(const std::filesystem::path& path);
 
   Plugin(Plugin&& o) noexcept;
   Plugin& operator=(Plugin&& o) noexcept;
@@ -70,6 +103,9 @@ class Plugin {
  private:
   Plugin() = default;
   void close() noexcept;
+  // What a load is doing, reported by the load-check child before each step.
+  enum class Stage : char { opening = 'o', entry = 'e', table = 't' };
+  static Plugin load_reporting(const std::filesystem::path& path, int report_fd);
 
   void* handle_ = nullptr;
   std::filesystem::path path_;

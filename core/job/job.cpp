@@ -1,8 +1,15 @@
 #include "core/job/job.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 
@@ -106,6 +113,121 @@ Value to_value(const toml::node& node) {
 
 constexpr std::string_view kOverridePrefix = "--set ";
 
+// A name from the file as it can be shown on a terminal: control bytes escaped, long ones cut.
+std::string printable(std::string_view s) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size() && i < 40; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20 || c >= 0x7f) {
+      out += fmt::format("\\x{:02x}", c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (s.size() > 40) out += fmt::format("... ({} bytes)", s.size());
+  return out;
+}
+
+bool valid_group_name(std::string_view s) {
+  if (s.empty() || s.size() > kMaxGroupName) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+           c == '.' || c == '-';
+  });
+}
+
+// Before parsing: a dotted key of more than kMaxDepth parts on one line (a.a.a... = 1 or
+// [a.a.a...]) would build a document so deep that freeing it overflows the stack, even when the
+// parse fails. Counts the dots of each key outside strings; values (after '=') are not looked at.
+void check_key_depth(std::string_view text, const std::string& file) {
+  std::size_t line = 1;
+  std::size_t pos = 0;
+  bool in_multiline = false;
+  std::string_view closer;
+  while (pos < text.size()) {
+    std::size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view l = text.substr(pos, end - pos);
+    if (in_multiline) {
+      if (l.find(closer) != std::string_view::npos) in_multiline = false;
+    } else {
+      int dots = 0;
+      char quote = 0;
+      for (std::size_t i = 0; i < l.size(); ++i) {
+        const char c = l[i];
+        if (quote) {
+          if (c == '\\' && quote == '"')
+            ++i;
+          else if (c == quote)
+            quote = 0;
+          continue;
+        }
+        if (c == '"' || c == '\'')
+          quote = c;
+        else if (c == '#' || c == '=')
+          break;
+        else if (c == '.' && ++dots >= kMaxDepth) {
+          throw ConfigError(fmt::format(
+              "{}:{}:{}: a key nests deeper than {} levels; TOML tables and values may nest at "
+              "most {} deep",
+              file, line, i + 1, kMaxDepth, kMaxDepth));
+        }
+      }
+      // A multi-line string opened on this line and not closed on it.
+      for (std::string_view q : {std::string_view(R"(""")"), std::string_view("'''")}) {
+        std::size_t n = 0;
+        for (std::size_t at = l.find(q); at != std::string_view::npos; at = l.find(q, at + 3)) ++n;
+        if (n % 2 == 1) {
+          in_multiline = true;
+          closer = q;
+          break;
+        }
+      }
+    }
+    pos = end + 1;
+    ++line;
+  }
+}
+
+// The deepest node below `root` past kMaxDepth levels, or null. Iterative: the document may be
+// deeper than the stack allows recursion.
+const toml::node* too_deep(const toml::node& root) {
+  std::vector<std::pair<const toml::node*, int>> work{{&root, 0}};
+  while (!work.empty()) {
+    auto [n, depth] = work.back();
+    work.pop_back();
+    if (depth > kMaxDepth) return n;
+    if (auto t = n->as_table()) {
+      for (auto&& [k, v] : *t) work.push_back({&v, depth + 1});
+    } else if (auto a = n->as_array()) {
+      for (auto&& v : *a) work.push_back({&v, depth + 1});
+    }
+  }
+  return nullptr;
+}
+
+// Frees a document without recursion, for one too deep to free the ordinary way.
+void free_flat(toml::table&& root) {
+  std::vector<std::unique_ptr<toml::node>> work;
+  work.push_back(std::make_unique<toml::table>(std::move(root)));
+  while (!work.empty()) {
+    std::unique_ptr<toml::node> n = std::move(work.back());
+    work.pop_back();
+    auto take = [&](toml::node& child) {
+      if (auto t = child.as_table()) work.push_back(std::make_unique<toml::table>(std::move(*t)));
+      if (auto a = child.as_array()) work.push_back(std::make_unique<toml::array>(std::move(*a)));
+    };
+    if (auto t = n->as_table()) {
+      for (auto&& [k, v] : *t) take(v);
+    } else if (auto a = n->as_array()) {
+      for (auto&& v : *a) take(v);
+    }
+  }
+}
+
 // Validates one parsed document and builds the Job. Every failure throws ConfigError located at
 // the offending node.
 class JobReader {
@@ -168,10 +290,11 @@ class JobReader {
     fail(n, path, fmt::format("{} must be an integer, not {}", path, type_name(n)));
   }
 
-  int get_positive_int(const toml::node& n, std::string_view path) const {
+  int get_positive_int(const toml::node& n, std::string_view path,
+                       std::int64_t max = kMaxRanks) const {
     auto v = get_int(n, path);
-    if (v < 1 || v > 1'000'000)
-      fail(n, path, fmt::format("{} must be a positive integer, not {}", path, v));
+    if (v < 1) fail(n, path, fmt::format("{} must be a positive integer, not {}", path, v));
+    if (v > max) fail(n, path, fmt::format("{} must be at most {}, not {}", path, max, v));
     return static_cast<int>(v);
   }
 
@@ -278,7 +401,11 @@ class JobReader {
     if (auto n = t.get("seed")) job.seed = get_int(*n, "job.seed");
     if (auto n = t.get("timeout_s")) {
       job.timeout_s = get_number(*n, "job.timeout_s");
-      if (!(job.timeout_s > 0)) fail(*n, "job.timeout_s", "job.timeout_s must be greater than 0");
+      if (!(job.timeout_s > 0 && job.timeout_s <= kMaxTimeoutS)) {
+        fail(*n, "job.timeout_s",
+             fmt::format("job.timeout_s must be more than 0 and at most {:g} (7 days), not {}",
+                         kMaxTimeoutS, job.timeout_s));
+      }
     }
     if (auto n = t.get("address")) {
       job.address = get_string(*n, "job.address");
@@ -302,10 +429,11 @@ class JobReader {
       throw ConfigError(
           fmt::format("{}: [[group]] has no name; add name = \"model\"", g.where.text));
     g.name = get_string(*name, path + ".name");
-    if (g.name.empty() || g.name.find_first_of(" \t:/") != std::string::npos) {
+    if (!valid_group_name(g.name)) {
       fail(*name, path + ".name",
-           fmt::format("group name \"{}\" must be non-empty and have no spaces, ':' or '/'",
-                       g.name));
+           fmt::format("group name \"{}\" is not allowed: use 1 to {} letters, digits, '_', '.' "
+                       "or '-'",
+                       printable(g.name), kMaxGroupName));
     }
     const std::string gp = fmt::format("group.{}", g.name);
     const std::string label = fmt::format("group \"{}\"", g.name);
@@ -318,14 +446,30 @@ class JobReader {
     g.ranks_where = SourceRef{where(*ranks, gp + ".ranks")};
     if (ranks->is_integer()) {
       int n = get_positive_int(*ranks, gp + ".ranks");
+      if (next_rank + static_cast<std::int64_t>(n) > kMaxRanks) {
+        fail(*ranks, gp + ".ranks",
+             fmt::format("{}: ranks {} to {} go past the highest rank, {}; a job has at most {} "
+                         "ranks",
+                         label, next_rank, next_rank + static_cast<std::int64_t>(n) - 1,
+                         kMaxRanks - 1, kMaxRanks));
+      }
       for (int i = 0; i < n; ++i) g.ranks.push_back(next_rank + i);
     } else if (auto list = ranks->as_array()) {
       if (list->empty())
         fail(*ranks, gp + ".ranks", fmt::format("{}: ranks must not be empty", label));
+      if (list->size() > static_cast<std::size_t>(kMaxRanks)) {
+        fail(*ranks, gp + ".ranks",
+             fmt::format("{}: a job has at most {} ranks", label, kMaxRanks));
+      }
       std::set<int> seen;
       for (auto&& item : *list) {
         if (!item.is_integer() || *item.value<std::int64_t>() < 0) {
           fail(item, gp + ".ranks", fmt::format("{}: ranks must be non-negative integers", label));
+        }
+        if (*item.value<std::int64_t>() >= kMaxRanks) {
+          fail(item, gp + ".ranks",
+               fmt::format("{}: rank {} is out of range; ranks go from 0 to {}", label,
+                           *item.value<std::int64_t>(), kMaxRanks - 1));
         }
         int r = static_cast<int>(*item.value<std::int64_t>());
         if (!seen.insert(r).second) {
@@ -358,7 +502,7 @@ class JobReader {
       }
     }
     if (auto n = t.get("gpus_per_worker")) {
-      g.gpus_per_worker = get_positive_int(*n, gp + ".gpus_per_worker");
+      g.gpus_per_worker = get_positive_int(*n, gp + ".gpus_per_worker", kMaxGpusPerWorker);
       if (g.device != DeviceType::cuda) {
         fail(*n, gp + ".gpus_per_worker",
              fmt::format("{}: gpus_per_worker applies to cuda groups only; set device = \"cuda\" "
@@ -423,10 +567,10 @@ class JobReader {
       }
     }
     std::vector<MeshDim> dims;
-    int product = 1;
+    std::int64_t product = 1;
     for (const auto& name : order) {
       dims.push_back({name, sizes[name]});
-      product *= sizes[name];
+      product = std::min<std::int64_t>(product * sizes[name], std::int64_t{1} << 40);
     }
     DeviceMesh probe(dims);
     if (product != workers) {
@@ -545,6 +689,7 @@ void apply_override(toml::table& root, const Override& o, const std::string& fil
 Job parse_job(std::string_view text, const std::filesystem::path& file,
               const std::vector<Override>& overrides) {
   const std::string name = file.string();
+  check_key_depth(text, name);
   toml::table root;
   try {
     root = toml::parse(text, name);
@@ -552,22 +697,74 @@ Job parse_job(std::string_view text, const std::filesystem::path& file,
     throw ConfigError(fmt::format("{}:{}:{}: {}", name, e.source().begin.line,
                                   e.source().begin.column, e.description()));
   }
-  for (const auto& o : overrides) apply_override(root, o, name);
+  auto check_depth = [&](std::string_view after) {
+    if (const toml::node* deep = too_deep(root)) {
+      const auto& src = deep->source();
+      std::string at = src.begin.line
+                           ? fmt::format("{}:{}:{}", name, src.begin.line, src.begin.column)
+                           : std::string(after);
+      free_flat(std::move(root));
+      throw ConfigError(fmt::format(
+          "{}: a value nests deeper than {} levels; TOML tables and values may nest at most {} "
+          "deep",
+          at, kMaxDepth, kMaxDepth));
+    }
+  };
+  check_depth(name);
+  for (const auto& o : overrides) {
+    apply_override(root, o, name);
+    check_depth(fmt::format("{}{}", kOverridePrefix, o.key));
+  }
   return JobReader(name).read(root, file);
 }
 
 Job load_job(const std::filesystem::path& file, const std::vector<Override>& overrides) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    const bool exists = std::filesystem::exists(file, ec);
-    throw ConfigError(
-        exists ? fmt::format("{}: cannot read the job file (permission denied?)", file.string())
-               : fmt::format("{}: no such job file; check the path", file.string()));
+  const std::string p = file.string();
+  // O_NONBLOCK: opening a FIFO must not wait for a writer.
+  const int fd = ::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int e = errno;
+    throw ConfigError(e == ENOENT || e == ENOTDIR
+                          ? fmt::format("{}: no such job file; check the path", p)
+                          : fmt::format("{}: cannot read the job file: {}", p, std::strerror(e)));
   }
-  std::stringstream buf;
-  buf << in.rdbuf();
-  return parse_job(buf.str(), file, overrides);
+  std::unique_ptr<int, void (*)(int*)> closer(new int(fd), [](int* f) {
+    ::close(*f);
+    delete f;
+  });
+  struct stat st {};
+  if (::fstat(fd, &st) != 0)
+    throw ConfigError(fmt::format("{}: cannot read the job file: {}", p, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    throw ConfigError(
+        fmt::format("{}: is {}, not a regular file; give the path of a TOML job file", p, kind));
+  }
+  if (st.st_size > static_cast<off_t>(kMaxJobFileBytes)) {
+    throw ConfigError(fmt::format("{}: the job file is {} bytes, more than the {} allowed", p,
+                                  st.st_size, kMaxJobFileBytes));
+  }
+  // Read to the end, but never more than the limit: the file may grow while we read it.
+  std::string text;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      throw ConfigError(fmt::format("{}: cannot read the job file: {}", p, std::strerror(errno)));
+    if (n == 0) break;
+    text.append(buf, static_cast<std::size_t>(n));
+    if (text.size() > kMaxJobFileBytes) {
+      throw ConfigError(
+          fmt::format("{}: the job file is more than the {} bytes allowed", p, kMaxJobFileBytes));
+    }
+  }
+  return parse_job(text, file, overrides);
 }
 
 }  // namespace twinkle::core

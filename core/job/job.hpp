@@ -14,6 +14,14 @@ namespace twinkle::core {
 enum class Mode { local, remote };
 enum class DeviceType { cpu, cuda };
 
+// Limits of a job file (documented in twinkle-job(5)).
+inline constexpr std::size_t kMaxJobFileBytes = 1 << 20;  // 1 MiB
+inline constexpr int kMaxDepth = 256;                     // nesting of tables, lists, keys
+inline constexpr int kMaxRanks = 65536;                   // ranks 0..65535, in all groups
+inline constexpr int kMaxGpusPerWorker = 1024;
+inline constexpr std::size_t kMaxGroupName = 64;  // [A-Za-z0-9_.-]{1,64}
+inline constexpr double kMaxTimeoutS = 7 * 86400.0;
+
 std::string_view to_string(Mode m);
 std::string_view to_string(DeviceType d);
 

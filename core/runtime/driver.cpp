@@ -116,7 +116,7 @@ class JobRun : public DriverOps {
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
     std::fflush(stdout);
 
-    plugin_.emplace(plugins::Plugin::load(job_.plugin_path));
+    plugin_.emplace(plugins::Plugin::load_checked(job_.plugin_path));
     driver_fn_ = plugin_->find_driver(job_.driver);
     if (!driver_fn_) {
       std::vector<std::string> names;

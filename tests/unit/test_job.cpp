@@ -143,7 +143,7 @@ TEST_CASE("wrong types and values", "[job]") {
         "jobs/job.toml:3:8: job.mode must be \"local\" or \"remote\", not \"lokal\"; did you mean "
         "\"local\"?");
   CHECK(error_of("[job]\nplugin = \"x.so\"\ntimeout_s = 0\n[[group]]\nname = \"g\"\nranks = 1\n") ==
-        "jobs/job.toml:3:13: job.timeout_s must be greater than 0");
+        "jobs/job.toml:3:13: job.timeout_s must be more than 0 and at most 604800 (7 days), not 0");
   CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 1\ndevice = \"gpu\"\n") ==
         "jobs/job.toml:7:10: group \"g\": device must be \"cpu\" or \"cuda\", not \"gpu\"; did you "
         "mean \"cpu\"?");
@@ -158,10 +158,56 @@ TEST_CASE("wrong types and values", "[job]") {
         "= \"cuda\" or "
         "remove it");
   CHECK_THAT(error_of(kJob + "[[group]]\nname = \"a b\"\nranks = 1\n"),
-             Catch::Contains("have no spaces"));
+             Catch::Contains("group name \"a b\" is not allowed: use 1 to 64 letters, digits, "
+                             "'_', '.' or '-'"));
   CHECK_THAT(error_of("[job]\nplugin = \"x.so\"\naddress = \"head:7100\"\n[[group]]\nname = "
                       "\"g\"\nranks = 1\n"),
              Catch::Contains("job.address must look like tcp://HOST:PORT"));
+}
+
+TEST_CASE("limits: nesting, ranks, timeouts, names", "[job]") {
+  std::string deep_key;
+  for (int i = 0; i < 5000; ++i) deep_key += i ? ".k" : "k";
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 1\n[args]\n" + deep_key + " = 1\n") ==
+        "jobs/job.toml:8:512: a key nests deeper than 256 levels; TOML tables and values may nest "
+        "at most 256 deep");
+  // Dots inside strings and values are no keys.
+  CHECK_NOTHROW(parse_job(kJob + "[[group]]\nname = \"g\"\nranks = 1\n[args]\n\"" + deep_key +
+                              "\" = \"" + deep_key + "\"\n",
+                          "j.toml"));
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = [2147483648]\n") ==
+        "jobs/job.toml:6:10: group \"g\": rank 2147483648 is out of range; ranks go from 0 to "
+        "65535");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = [9223372036854775807]\n") ==
+        "jobs/job.toml:6:10: group \"g\": rank 9223372036854775807 is out of range; ranks go from "
+        "0 to 65535");
+  CHECK(error_of(kJob + "[[group]]\nname = \"a\"\nranks = [65535]\n[[group]]\nname = "
+                        "\"b\"\nranks = 1\n") ==
+        "jobs/job.toml:9:9: group \"b\": ranks 65536 to 65536 go past the highest rank, 65535; a "
+        "job has at most 65536 ranks");
+  CHECK(error_of(kJob + "[[group]]\nname = \"g\"\nranks = 2\nmesh = { dp = 65536, tp = 65536, "
+                        "pp = 65536 }\n") ==
+        "jobs/job.toml:7:8: group \"g\": mesh pp=65536 × dp=65536 × tp=65536 has 1099511627776 "
+        "ranks but the group has 2 workers; make the sizes multiply to 2");
+  for (const char* t : {"1e10", "inf", "nan", "-inf"}) {
+    CHECK_THAT(error_of(std::string("[job]\nplugin = \"x.so\"\ntimeout_s = ") + t +
+                        "\n[[group]]\nname = \"g\"\nranks = 1\n"),
+               Catch::StartsWith("jobs/job.toml:3:13: job.timeout_s must be more than 0 and at "
+                                 "most 604800 (7 days), not "));
+  }
+  CHECK(error_of(kJob + "[[group]]\nname = \"a\\u0000\\n\\u001b[31m\"\nranks = 1\n") ==
+        "jobs/job.toml:5:8: group name \"a\\x00\\x0a\\x1b[31m\" is not allowed: use 1 to 64 "
+        "letters, digits, '_', '.' or '-'");
+  CHECK_NOTHROW(parse_job(kJob + "[[group]]\nname = \"Model_1.v-2\"\nranks = 1\n", "j.toml"));
+}
+
+TEST_CASE("load_job reads regular files only", "[job]") {
+  CHECK_THROWS_WITH(load_job("/dev/zero"),
+                    "/dev/zero: is a character device, not a regular file; give the path of a "
+                    "TOML job file");
+  CHECK_THROWS_WITH(load_job("/"),
+                    "/: is a directory, not a regular file; give the path of a "
+                    "TOML job file");
 }
 
 TEST_CASE("overlapping ranks and duplicate groups", "[job]") {

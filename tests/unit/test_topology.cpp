@@ -109,8 +109,9 @@ TEST_CASE("rank lists", "[topology]") {
 }
 
 TEST_CASE("long names are cut to fit 80 columns", "[topology]") {
-  Job job = parse_job("[job]\nname = \"n\"\nplugin = \"x.so\"\n[[group]]\nname = \"" +
-                          std::string(120, 'g') + "\"\nranks = 1\n",
+  Job job = parse_job("[job]\nname = \"" + std::string(120, 'n') +
+                          "\"\nplugin = \"x.so\"\n[[group]]\nname = \"" + std::string(64, 'g') +
+                          "\"\nranks = 1\n",
                       "n.toml");
   check_width(render_topology(job, place(job, machine(0))));
   check_width(render_topology(job, place(job, machine(0)), {true}));

@@ -523,10 +523,18 @@ class EncodedValue {
   twk_value_v1 view_{};
 };
 
+// How deep lists and maps may nest in a value that is encoded or decoded: deeper ones are
+// rejected with a ValueError instead of overflowing the stack.
+inline constexpr int kMaxValueDepth = 256;
+
 namespace detail {
 
 inline void pack_value(msgpack::sbuffer& buf, msgpack::packer<msgpack::sbuffer>& pk, const Value& v,
-                       std::vector<Tensor>& tensors) {
+                       std::vector<Tensor>& tensors, int depth = 0) {
+  if (depth > kMaxValueDepth) {
+    throw ValueError("value nests deeper than " + std::to_string(kMaxValueDepth) +
+                     " levels of lists and maps");
+  }
   switch (v.kind()) {
     case Value::Kind::null: pk.pack_nil(); break;
     case Value::Kind::boolean: v.as<bool>() ? pk.pack_true() : pk.pack_false(); break;
@@ -555,14 +563,14 @@ inline void pack_value(msgpack::sbuffer& buf, msgpack::packer<msgpack::sbuffer>&
     }
     case Value::Kind::list:
       pk.pack_array(static_cast<std::uint32_t>(v.size()));
-      for (const auto& item : v.list_items()) pack_value(buf, pk, item, tensors);
+      for (const auto& item : v.list_items()) pack_value(buf, pk, item, tensors, depth + 1);
       break;
     case Value::Kind::map:
       pk.pack_map(static_cast<std::uint32_t>(v.size()));
       for (const auto& [k, item] : v.map_items()) {
         pk.pack_str(static_cast<std::uint32_t>(k.size()));
         pk.pack_str_body(k.data(), static_cast<std::uint32_t>(k.size()));
-        pack_value(buf, pk, item, tensors);
+        pack_value(buf, pk, item, tensors, depth + 1);
       }
       break;
     case Value::Kind::tensor: {
@@ -578,7 +586,10 @@ inline void pack_value(msgpack::sbuffer& buf, msgpack::packer<msgpack::sbuffer>&
 }
 
 inline Value unpack_value(const msgpack::object& o, const std::vector<Tensor>& tensors, int depth) {
-  if (depth > 256) throw ValueError("value nests deeper than 256 levels");
+  if (depth > kMaxValueDepth) {
+    throw ValueError("value nests deeper than " + std::to_string(kMaxValueDepth) +
+                     " levels of lists and maps");
+  }
   switch (o.type) {
     case msgpack::type::NIL: return Value();
     case msgpack::type::BOOLEAN: return Value(o.via.boolean);
@@ -647,7 +658,11 @@ inline Value decode(const void* data, std::size_t size, const std::vector<Tensor
   std::size_t offset = 0;
   msgpack::object_handle oh;
   try {
-    oh = msgpack::unpack(static_cast<const char*>(data), size, offset);
+    // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
+    // Containers cannot hold more items than the input has bytes.
+    const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
+    oh = msgpack::unpack(static_cast<const char*>(data), size, offset, nullptr, nullptr,
+                         msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 1));
   } catch (const std::exception& e) {
     throw ValueError(std::string("malformed value: ") + e.what());
   }

@@ -1,0 +1,30 @@
+// libFuzzer target: the control-channel frame decoder (transports/zmq/message.cpp).
+// Input: frames, each a 2-byte little-endian length and that many bytes (at most 8 frames).
+// Any input must decode or raise TransportError.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "twinkle/errors.hpp"
+#include "transports/zmq/message.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  std::vector<zmq::message_t> frames;
+  std::size_t at = 0;
+  while (at + 2 <= size && frames.size() < 8) {
+    std::size_t len = data[at] | (std::size_t(data[at + 1]) << 8);
+    at += 2;
+    if (len > size - at) len = size - at;
+    frames.emplace_back(data + at, len);
+    at += len;
+  }
+  try {
+    twinkle::transport::Message m = twinkle::transport::decode_message(std::move(frames));
+    // What decodes must encode again.
+    (void)twinkle::transport::encode_message(m);
+  } catch (const twinkle::TransportError&) {
+  }
+  return 0;
+}
