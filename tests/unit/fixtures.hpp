@@ -1,6 +1,14 @@
-// Test data shared by the unit tests of the job model: one copy, so that a change to what a
-// "machine" or "the three-group job" is reaches every test that uses it.
+// Test data and helpers shared by the unit tests: one copy, so that a change to what a "machine",
+// "the three-group job" or a scratch folder is reaches every test that uses it.
 #pragma once
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#include <catch2/catch.hpp>
 
 #include "core/job/resources.hpp"
 
@@ -36,5 +44,22 @@ name = "processor"
 ranks = 2
 device = "cpu"
 )";
+
+// A fresh folder under /tmp (short enough for socket paths), removed with everything in it at the
+// end of the scope, whether the test passed or not.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string templ = "/tmp/twk-test.XXXXXX";
+    REQUIRE(::mkdtemp(templ.data()));
+    path = templ;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
 
 }  // namespace twinkle::test

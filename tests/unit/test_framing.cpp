@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "tests/unit/fixtures.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
@@ -23,6 +24,8 @@ using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
 namespace {
+
+using twinkle::test::TempDir;
 
 using Frames = std::vector<zmq::message_t>;
 
@@ -60,20 +63,6 @@ Frames with_tensor_entry(const Value& entry, zmq::message_t frame) {
   f.push_back(std::move(frame));
   return f;
 }
-
-// A fresh folder under /tmp, removed with everything in it at the end of the scope.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string templ = "/tmp/twk-test.XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()));
-    path = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 constexpr int kF32 = static_cast<int>(DType::f32);
 

@@ -15,6 +15,7 @@
 #include "core/job/values.hpp"
 #include "core/runtime/failure_report.hpp"
 #include "core/runtime/run_dir.hpp"
+#include "tests/unit/fixtures.hpp"
 #include "twinkle/errors.hpp"
 
 using namespace twinkle::core;
@@ -24,19 +25,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh folder under /tmp, removed with everything in it at the end of the scope.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string templ = "/tmp/twk-test.XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()));
-    path = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using twinkle::test::TempDir;
 
 // Sets an environment variable for the scope, restoring the old value (or its absence) after.
 struct ScopedEnv {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/runtime/spawner.hpp"
+#include "tests/unit/fixtures.hpp"
 #include "twinkle/errors.hpp"
 
 using namespace twinkle::core;
@@ -27,19 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh folder under /tmp, removed with everything in it at the end of the scope.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string templ = "/tmp/twk-test.XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()));
-    path = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using twinkle::test::TempDir;
 
 // Collects the exit handler's reports; wait_for blocks until `n` arrived or the deadline passed.
 struct Exits {
