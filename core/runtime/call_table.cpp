@@ -160,8 +160,9 @@ void CallTable::start(std::chrono::milliseconds timeout,
       for (const auto& w : workers_) {
         if (!w.ready) missing.push_back(w.name);
       }
-      throw CallError(fmt::format("workers {} did not start within {} s", fmt::join(missing, ", "),
-                                  timeout.count() / 1000));
+      throw CallError(fmt::format("workers {} did not start within {:g} s",
+                                  fmt::join(missing, ", "),
+                                  std::chrono::duration<double>(timeout).count()));
     }
     pump(left);
   }

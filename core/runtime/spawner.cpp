@@ -14,7 +14,6 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <utility>
 
 #include <fmt/format.h>
@@ -35,7 +34,7 @@ struct Spawner::Proc {
   Fd pidfd;   // readable when the process has exited; empty where pidfds are missing
   std::string partial[2];
   std::deque<std::string> tail;
-  std::ofstream log;
+  Fd log;  // close-on-exec, unlike a std::ofstream's: the processes spawned later must not get it
   bool running = false;
 };
 
@@ -108,8 +107,8 @@ pid_t Spawner::spawn(ProcessSpec spec) {
     std::string file = spec.name;
     std::replace(file.begin(), file.end(), ':', '-');
     const auto path = *options_.log_dir / (file + ".log");
-    proc->log.open(path, std::ios::app);
-    if (!proc->log.is_open()) {
+    proc->log.reset(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666));
+    if (!proc->log) {
       throw ConfigError(fmt::format("--log-dir: cannot write {} ({}); choose a writable folder",
                                     path.string(), std::strerror(errno)));
     }
@@ -175,7 +174,7 @@ void Spawner::write_line(Proc& p, bool is_stderr, const std::string& line) {
     p.tail.push_back(line);
     if (p.tail.size() > options_.stderr_tail) p.tail.pop_front();
   }
-  if (p.log.is_open()) p.log << line << '\n' << std::flush;
+  if (p.log) write_all(p.log.get(), line + '\n');
   if (options_.quiet) return;
   std::lock_guard lock(out_mu_);
   write_all(is_stderr ? 2 : 1, fmt::format("[{}] {}\n", p.name, line));

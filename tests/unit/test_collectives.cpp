@@ -156,15 +156,32 @@ TEST_CASE("a peer that never joins fails the rendezvous within the timeout", "[c
 TEST_CASE("a peer that leaves mid-collective fails the others instead of hanging",
           "[collectives]") {
   MemoryStore store;
-  std::string error;
+  std::string error, leaver_error;
   std::thread leaver([&] {
-    CommConfig c{"leave", 1, 2, "127.0.0.1", std::chrono::seconds(20)};
-    auto comm = twinkle::transport::create_gloo_communicator(store, c);
-    comm.reset();  // gone before the collective
+    try {
+      CommConfig c{"leave", 1, 2, "127.0.0.1", std::chrono::seconds(20)};
+      auto comm = twinkle::transport::create_gloo_communicator(store, c);
+      // Leaving while rank 0 still connects would fail its rendezvous, not its collective.
+      store.get("test/rank0-connected", std::chrono::seconds(20));
+      comm.reset();  // gone before the collective
+    } catch (const std::exception& e) {
+      leaver_error = e.what();
+    }
   });
+  // The leaver is joined however rank 0's part ends.
+  struct Join {
+    MemoryStore& store;
+    std::thread& thread;
+    ~Join() {
+      store.set("test/rank0-connected", "1");
+      if (thread.joinable()) thread.join();
+    }
+  } join{store, leaver};
   CommConfig c{"leave", 0, 2, "127.0.0.1", std::chrono::seconds(5)};
   auto comm = twinkle::transport::create_gloo_communicator(store, c);
+  store.set("test/rank0-connected", "1");
   leaver.join();
+  REQUIRE(leaver_error.empty());
   std::vector<float> v(1024, 1.0f);
   try {
     comm->all_reduce(v.data(), v.size(), DType::f32, ReduceOp::sum);

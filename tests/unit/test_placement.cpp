@@ -3,38 +3,13 @@
 #include <cstdlib>
 
 #include "core/job/placement.hpp"
+#include "tests/unit/fixtures.hpp"
 #include "twinkle/errors.hpp"
 
 using namespace twinkle::core;
 
-namespace {
-
-NodeResources machine(int gpus) {
-  NodeResources r;
-  r.hostname = "node-a";
-  r.cpus = 8;
-  for (int i = 0; i < gpus; ++i) r.gpus.push_back(GpuInfo{i, "Test GPU", 80ull << 30, ""});
-  r.gpu_source = gpus ? GpuSource::nvml : GpuSource::none;
-  return r;
-}
-
-const char* kThreeGroups = R"([job]
-plugin = "x.so"
-[[group]]
-name = "model"
-ranks = 4
-device = "cuda"
-mesh = { dp = 2, tp = 2 }
-[[group]]
-name = "sampler"
-ranks = 2
-device = "cuda"
-[[group]]
-name = "processor"
-ranks = 2
-)";
-
-}  // namespace
+using twinkle::test::kThreeGroups;
+using twinkle::test::machine;
 
 TEST_CASE("local: cuda workers take consecutive GPUs in rank order", "[placement]") {
   Job job = parse_job(kThreeGroups, "job.toml");
@@ -71,7 +46,7 @@ TEST_CASE("local: a cuda group larger than the GPUs is an error at the group", "
   Job job = parse_job(kThreeGroups, "job.toml");
   CHECK_THROWS_WITH(
       place(job, machine(5)),
-      "job.toml:8:1: group \"sampler\" does not fit: the cuda groups need 6 GPU(s) (2 x 1 for this "
+      "job.toml:9:1: group \"sampler\" does not fit: the cuda groups need 6 GPU(s) (2 x 1 for this "
       "group) but this machine has 5 (from nvml); lower ranks or gpus_per_worker, or run where "
       "more "
       "GPUs exist");

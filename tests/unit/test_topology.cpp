@@ -2,28 +2,31 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 
 #include "core/job/placement.hpp"
 #include "core/job/topology.hpp"
+#include "tests/unit/fixtures.hpp"
 
 using namespace twinkle::core;
 
 namespace {
 
-NodeResources machine(int gpus) {
-  NodeResources r;
-  r.hostname = "node-a";
-  r.cpus = 16;
-  for (int i = 0; i < gpus; ++i) r.gpus.push_back(GpuInfo{i, "NVIDIA H200", 141ull << 30, ""});
-  r.gpu_source = gpus ? GpuSource::nvml : GpuSource::none;
-  return r;
-}
+using twinkle::test::kThreeGroups;
+using twinkle::test::machine;
 
-// Compares with tests/golden/NAME; TWINKLE_UPDATE_GOLDEN=1 rewrites the file instead.
+// Compares with tests/golden/NAME; TWINKLE_UPDATE_GOLDEN=1 rewrites the file instead, except
+// under CI (CI set), where an update must never pass: it fails the test.
 void check_golden(const std::string& name, const std::string& actual) {
   const std::string path = std::string(TWINKLE_TEST_DATA) + "/golden/" + name;
   if (std::getenv("TWINKLE_UPDATE_GOLDEN")) {
+    if (const char* ci = std::getenv("CI"); ci && *ci) {
+      FAIL("TWINKLE_UPDATE_GOLDEN is set under CI (CI="
+           << ci
+           << "): golden files are updated "
+              "by hand and committed, never rewritten by a CI run");
+    }
     std::ofstream(path) << actual;
     return;
   }
@@ -41,24 +44,6 @@ void check_width(const std::string& text) {
     CHECK(display_width(line) <= 80);
   }
 }
-
-const char* kThreeGroups = R"([job]
-name = "rlhf"
-plugin = "librlhf.so"
-[[group]]
-name = "model"
-ranks = 4
-device = "cuda"
-mesh = { dp = 2, tp = 2 }
-[[group]]
-name = "sampler"
-ranks = 2
-device = "cuda"
-[[group]]
-name = "processor"
-ranks = 2
-device = "cpu"
-)";
 
 }  // namespace
 
@@ -103,8 +88,10 @@ TEST_CASE("a 3-dim mesh prints its shape", "[topology]") {
 TEST_CASE("rank lists", "[topology]") {
   CHECK(format_rank_list({0, 1, 2, 3}) == "[0, 1, 2, 3]");
   std::vector<int> r16(16), r17(17);
-  for (int i = 0; i < 17; ++i) (i < 16 ? r16[i] : r16[0]) = i, r17[i] = i;
-  CHECK(format_rank_list(r16).find("...") == std::string::npos);
+  std::iota(r16.begin(), r16.end(), 0);
+  std::iota(r17.begin(), r17.end(), 0);
+  CHECK(format_rank_list(r16) ==
+        "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]");  // 16 print in full
   CHECK(format_rank_list(r17) == "[0, 1, 2, 3, 4, 5] ... [14, 15, 16] (17 total)");
 }
 

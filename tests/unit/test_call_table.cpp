@@ -1,0 +1,479 @@
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/runtime/call_table.hpp"
+#include "transports/zmq/channel.hpp"
+
+using namespace twinkle;
+using namespace twinkle::core;
+using namespace std::chrono_literals;
+using transport::ChannelEvent;
+using transport::Message;
+using transport::MsgType;
+
+namespace {
+
+// A DriverChannel in memory: it records what the driver sends per peer and delivers the events
+// the test queues (replies, lost workers). `on_send` lets a test answer as a worker would.
+class FakeChannel : public transport::DriverChannel {
+ public:
+  std::map<std::size_t, std::vector<Message>> sent;
+  std::function<void(std::size_t peer, const Message& m)> on_send;
+
+  const std::string& endpoint() const override { return endpoint_; }
+  void send(std::size_t peer, const Message& m) override {
+    sent[peer].push_back(m);
+    if (on_send) on_send(peer, m);
+  }
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mu_);
+    auto any = [&] { return !events_.empty(); };
+    if (timeout.count() < 0) {
+      cv_.wait(lock, any);
+    } else if (!cv_.wait_for(lock, timeout, any)) {
+      return std::nullopt;
+    }
+    ChannelEvent e = std::move(events_.front());
+    events_.pop_front();
+    return e;
+  }
+  void lost(std::size_t peer, std::string reason) override {
+    ChannelEvent e;
+    e.kind = ChannelEvent::Kind::lost;
+    e.peer = peer;
+    e.reason = std::move(reason);
+    push(std::move(e));
+  }
+  void wake() override {
+    ChannelEvent e;
+    e.kind = ChannelEvent::Kind::wake;
+    push(std::move(e));
+  }
+  std::uint64_t dropped() const override { return 0; }
+  Value adopt(const twk_value_v1& v) override { return decode(v); }
+
+  // A message from `peer`, as the channel would deliver it.
+  void deliver(std::size_t peer, MsgType type, std::uint64_t id, Value body) {
+    ChannelEvent e;
+    e.peer = peer;
+    e.message = Message{type, id, std::move(body)};
+    push(std::move(e));
+  }
+  void hello(std::size_t peer, int pid, const std::string& host = "h") {
+    deliver(peer, MsgType::hello, 0, Value::map({{"pid", pid}, {"host", host}}));
+  }
+  void reply(std::size_t peer, std::uint64_t id, Value value) {
+    deliver(peer, MsgType::reply, id, Value::map({{"ok", true}, {"value", std::move(value)}}));
+  }
+  void reply_error(std::size_t peer, std::uint64_t id, const std::string& error) {
+    deliver(peer, MsgType::reply, id, Value::map({{"ok", false}, {"error", error}}));
+  }
+  // What `peer` was sent last, of type `type`.
+  const Message& last(std::size_t peer, MsgType type) {
+    auto& list = sent[peer];
+    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+      if (it->type == type) return *it;
+    }
+    static const Message none;
+    FAIL("peer " << peer << " was sent no " << transport::to_string(type));
+    return none;
+  }
+  std::size_t count(std::size_t peer, MsgType type) {
+    std::size_t n = 0;
+    for (const auto& m : sent[peer]) n += m.type == type;
+    return n;
+  }
+
+ private:
+  void push(ChannelEvent e) {
+    {
+      std::lock_guard lock(mu_);
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_all();
+  }
+
+  std::string endpoint_ = "fake://";
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<ChannelEvent> events_;
+};
+
+plugins::MethodInfo method(std::string name, Dispatch d, Execute e, Collect c,
+                           double timeout_s = 0) {
+  plugins::MethodInfo m;
+  m.name = std::move(name);
+  m.dispatch = d;
+  m.execute = e;
+  m.execute_from_class = false;
+  m.collect = c;
+  m.timeout_s = timeout_s;
+  return m;
+}
+
+// Class C with a method per case the tests need.
+plugins::ClassInfo class_c() {
+  plugins::ClassInfo c;
+  c.name = "C";
+  c.methods = {
+      method("m", Dispatch::all, Execute::all, Collect::sum),
+      method("slice", Dispatch::slice, Execute::all, Collect::none),
+      method("slice_dp", Dispatch::slice_dp, Execute::all, Collect::none),
+      method("first", Dispatch::slice, Execute::first, Collect::first),
+      method("mean", Dispatch::all, Execute::all, Collect::mean),
+      method("flatten", Dispatch::all, Execute::all, Collect::flatten),
+      method("quick", Dispatch::all, Execute::all, Collect::none, 0.05),
+  };
+  return c;
+}
+
+// One group "g" of four workers, mesh dp=2 x tp=2 (data ranks: workers 0,1 -> 0; 2,3 -> 1),
+// channel peers 0..3, hellos with pid 41 + index on host "h".
+struct Table {
+  FakeChannel channel;
+  plugins::ClassInfo cls = class_c();
+  CallTable table;
+
+  explicit Table(double timeout_s = 5)
+      : table(channel, {GroupInfo{"g", DeviceMesh({{"dp", 2}, {"tp", 2}}), {0, 1, 2, 3}}},
+              workers(), {}, timeout_s) {}
+
+  static std::vector<WorkerInfo> workers() {
+    std::vector<WorkerInfo> w;
+    for (int i = 0; i < 4; ++i) {
+      WorkerInfo info;
+      info.name = "g:" + std::to_string(i);
+      info.index = i;
+      w.push_back(info);
+    }
+    return w;
+  }
+
+  void start() {
+    for (std::size_t p = 0; p < 4; ++p) channel.hello(p, 41 + static_cast<int>(p));
+    table.start(5s, [](const WorkerInfo& w) { return Value::map({{"rank", w.index}}); });
+  }
+
+  // Every worker acknowledges constructors (peer 1 with `ctor_error` when given).
+  std::uint64_t create(std::optional<std::string> ctor_error = std::nullopt) {
+    channel.on_send = [&, ctor_error](std::size_t peer, const Message& m) {
+      if (m.type != MsgType::create) return;
+      if (peer == 1 && ctor_error) {
+        channel.deliver(peer, MsgType::created, m.id,
+                        Value::map({{"ok", false}, {"error", *ctor_error}}));
+      } else {
+        channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+      }
+    };
+    return table.create(cls, 0, Value::list());
+  }
+
+  // Starts, creates, and from then on every worker answers calls with answer(peer, args).
+  std::uint64_t ready(std::function<Value(std::size_t, const Value&)> answer) {
+    start();
+    const std::uint64_t inst = create();
+    channel.on_send = [this, answer](std::size_t peer, const Message& m) {
+      if (m.type == MsgType::call) channel.reply(peer, m.id, answer(peer, m.body["args"]));
+    };
+    return inst;
+  }
+
+  // The message of the CallError that `fn` raises.
+  static std::string error_of(const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const CallError& e) {
+      return e.what();
+    }
+    FAIL("no CallError");
+    return {};
+  }
+};
+
+Value ints(std::initializer_list<int> v) {
+  Value out = Value::list();
+  for (int i : v) out.push_back(i);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("start: hellos fill in pid and host; each worker gets its welcome", "[call_table]") {
+  Table t;
+  t.start();
+  for (std::size_t p = 0; p < 4; ++p) {
+    const WorkerInfo& w = t.table.workers()[p];
+    CHECK(w.ready);
+    CHECK(w.pid == 41 + static_cast<int>(p));
+    CHECK(w.host == "h");
+    CHECK(t.channel.last(p, MsgType::welcome).body["rank"] == Value(static_cast<int>(p)));
+  }
+  CHECK(t.table.worker_label(0, 1) == "group g rank 1 (host h, pid 42)");
+  CHECK(t.table.find_group("g") == 0u);
+  CHECK_FALSE(t.table.find_group("h"));
+}
+
+TEST_CASE("start: a worker lost before its hello fails the start, naming it", "[call_table]") {
+  Table t;
+  t.channel.hello(0, 41);
+  t.channel.lost(1, "exited with code 3");
+  CHECK(Table::error_of([&] { t.table.start(5s, [](const WorkerInfo&) { return Value(); }); }) ==
+        "worker g:1 exited with code 3 before it was ready");
+  CHECK(t.table.lost()->peer == 1);
+  CHECK(t.channel.count(0, MsgType::welcome) == 0);
+}
+
+TEST_CASE("start: workers without a hello are named after the timeout", "[call_table]") {
+  Table t;
+  t.channel.hello(0, 41);
+  t.channel.hello(2, 43);
+  const auto began = std::chrono::steady_clock::now();
+  CHECK(Table::error_of([&] { t.table.start(50ms, [](const WorkerInfo&) { return Value(); }); }) ==
+        "workers g:1, g:3 did not start within 0.05 s");
+  CHECK(std::chrono::steady_clock::now() - began < 2s);
+  CHECK(t.table.workers()[2].ready);
+}
+
+TEST_CASE("create: every worker constructs; a constructor error names the worker", "[call_table]") {
+  Table t;
+  t.start();
+  const std::uint64_t inst = t.create();
+  for (std::size_t p = 0; p < 4; ++p) {
+    const Message& m = t.channel.last(p, MsgType::create);
+    CHECK(m.id == inst);
+    CHECK(m.body["class"] == Value("C"));
+  }
+  CHECK(Table::error_of([&] { t.create("no such checkpoint /ckpt"); }) ==
+        "C constructor failed on group g rank 1 (host h, pid 42): no such checkpoint /ckpt");
+}
+
+TEST_CASE("create: a worker that does not acknowledge times out, naming its rank", "[call_table]") {
+  Table t(0.05);
+  t.start();
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::create && peer != 2)
+      t.channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+  };
+  CHECK(Table::error_of([&] { t.table.create(t.cls, 0, Value::list()); }) ==
+        "C constructor on group g timed out after 0.05 s: ranks [2] did not answer; raise "
+        "job.timeout_s");
+}
+
+TEST_CASE("call: what each worker receives", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(); });
+  auto args_of = [&](std::size_t peer) { return t.channel.last(peer, MsgType::call).body["args"]; };
+
+  SECTION("all: the same arguments for every worker") {
+    const auto f = t.table.call(inst, "m", Value::list({5, "x"}), "x.cpp:7");
+    for (std::size_t p = 0; p < 4; ++p) {
+      const Message& m = t.channel.last(p, MsgType::call);
+      CHECK(m.id == f);
+      CHECK(m.body["instance"] == Value(inst));
+      CHECK(m.body["method"] == Value("m"));
+      CHECK(m.body["args"] == Value::list({5, "x"}));
+    }
+  }
+  SECTION("slice: one part per worker") {
+    t.table.call(inst, "slice", Value::list({ints({1, 2, 3, 4}), "whole"}), "x.cpp:7");
+    for (int p = 0; p < 4; ++p) CHECK(args_of(p) == Value::list({ints({p + 1}), "whole"}));
+  }
+  SECTION("slice_dp: one part per data rank; tp peers get the same part") {
+    t.table.call(inst, "slice_dp", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
+    CHECK(args_of(0) == Value::list({ints({1, 2})}));
+    CHECK(args_of(1) == Value::list({ints({1, 2})}));
+    CHECK(args_of(2) == Value::list({ints({3, 4})}));
+    CHECK(args_of(3) == Value::list({ints({3, 4})}));
+  }
+  SECTION("execute first: only worker 0, with the arguments whole") {
+    t.table.call(inst, "first", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
+    CHECK(args_of(0) == Value::list({ints({1, 2, 3, 4})}));
+    for (std::size_t p = 1; p < 4; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
+  }
+}
+
+TEST_CASE("wait: the results are collected as the method says", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t peer, const Value&) {
+    return Value(static_cast<int>(peer) + 1);  // 1, 2, 3, 4
+  });
+  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "x.cpp:7")) == Value(10));
+  CHECK(t.table.wait(t.table.call(inst, "mean", Value::list(), "x.cpp:7")) == Value(2.5));
+  CHECK(t.table.wait(t.table.call(inst, "first", Value::list(), "x.cpp:7")) == Value(1));
+  CHECK(t.table.wait(t.table.call(inst, "slice", Value::list(), "x.cpp:7")) == ints({1, 2, 3, 4}));
+  CHECK(t.table.outstanding() == 0);
+  CHECK(Table::error_of([&] { t.table.wait(12345); }) == "unknown or already collected call");
+}
+
+TEST_CASE("wait: flatten joins one result per data rank", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t peer, const Value&) {
+    const int p = static_cast<int>(peer);
+    return ints({10 * p, 10 * p + 1});
+  });
+  // Workers 0 and 2 speak for data ranks 0 and 1.
+  CHECK(t.table.wait(t.table.call(inst, "flatten", Value::list(), "x.cpp:7")) ==
+        ints({0, 1, 20, 21}));
+}
+
+TEST_CASE("wait: a worker's error names the caller, the call and the worker", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type != MsgType::call) return;
+    if (peer == 1 || peer == 2) {
+      t.channel.reply_error(peer, m.id, "CUDA out of memory");
+    } else {
+      t.channel.reply(peer, m.id, 1);
+    }
+  };
+  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+        "C.m failed on group g rank 1 (host h, pid 42): CUDA out "
+        "of memory (ranks 2 failed too)");
+  CHECK(t.table.outstanding() == 0);
+
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type != MsgType::call) return;
+    if (peer == 3) {
+      t.channel.reply_error(peer, m.id, "bad batch");
+    } else {
+      t.channel.reply(peer, m.id, 1);
+    }
+  };
+  CHECK(
+      Table::error_of([&] { t.table.wait(t.table.call(inst, "m", Value::list(), "y.cpp:9")); }) ==
+      "C.m failed on group g rank 3 (host h, pid 44): bad batch");
+}
+
+TEST_CASE("wait: a worker lost while the driver waits fails the wait, naming it", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::call && peer != 1) t.channel.reply(peer, m.id, 1);
+  };
+  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  t.channel.lost(1, "exited with code 3");
+  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+        "C.m failed: worker g:1 (host h, pid 42) exited with "
+        "code 3");
+  REQUIRE(t.table.lost());
+  CHECK(t.table.lost()->peer == 1);
+  CHECK(t.table.lost()->text == "worker g:1 (host h, pid 42) exited with code 3");
+  CHECK(t.table.lost()->calls == std::vector<std::string>{"C.m (driver caller: x.cpp:7)"});
+
+  // From then on every call fails with it, and a second loss does not replace the first.
+  t.channel.lost(2, "was killed by signal 9 (Killed)");
+  t.table.drain();
+  CHECK(t.table.lost()->peer == 1);
+  CHECK(Table::error_of([&] { t.table.call(inst, "m", Value::list(), "x.cpp:8"); }) ==
+        "C.m failed: worker g:1 (host h, pid 42) exited with code 3");
+}
+
+TEST_CASE("wait: lost workers are not failures once exits are expected", "[call_table]") {
+  Table t;
+  t.start();
+  t.table.expect_exits();
+  t.channel.lost(0, "exited with code 0");
+  t.table.drain();
+  CHECK_FALSE(t.table.lost());
+}
+
+TEST_CASE("wait: ranks that do not answer in time are named; late replies are dropped",
+          "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  std::uint64_t id = 0;
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type != MsgType::call) return;
+    id = m.id;
+    if (peer == 0 || peer == 2) t.channel.reply(peer, m.id, 1);
+  };
+  const auto f = t.table.call(inst, "quick", Value::list(), "x.cpp:7");
+  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+        "C.quick timed out after 0.05 s: ranks [1, 3] of group g "
+        "did not answer; raise the method's timeout (twinkle::timeout in TWINKLE_METHOD) or "
+        "job.timeout_s");
+  // The late answers arrive and are dropped; nothing is left waiting.
+  t.channel.reply(1, id, 1);
+  t.channel.reply(3, id, 1);
+  t.table.drain();
+  CHECK(t.table.outstanding() == 0);
+  CHECK(Table::error_of([&] { t.table.wait(f); }) == "unknown or already collected call");
+  // The table still works.
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, 2);
+  };
+  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "x.cpp:9")) == Value(8));
+}
+
+TEST_CASE("cancel: waits and new calls fail with the reason", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.on_send = nullptr;  // nobody answers
+  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  // A wait in progress notices a cancel from another thread once the channel is woken.
+  auto waiting = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      t.table.wait(f);
+    } catch (const CallError& e) {
+      return e.what();
+    }
+    return "no CallError";
+  });
+  t.table.cancel("interrupted by SIGINT");
+  t.table.cancel("a second reason is ignored");
+  t.channel.wake();
+  REQUIRE(waiting.wait_for(5s) == std::future_status::ready);
+  CHECK(waiting.get() == "C.m: interrupted by SIGINT");
+  CHECK(t.table.outstanding() == 0);
+  CHECK(Table::error_of([&] { t.table.call(inst, "m", Value::list(), "x.cpp:8"); }) ==
+        "C.m: interrupted by SIGINT");
+  CHECK(Table::error_of([&] { t.table.create(t.cls, 0, Value::list()); }) ==
+        "C constructor on group g: interrupted by SIGINT");
+}
+
+TEST_CASE("release: a pending call's answers are dropped when they come", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  std::uint64_t id = 0;
+  t.channel.on_send = [&](std::size_t, const Message& m) { id = m.id; };
+  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  t.table.release(f);
+  CHECK(t.table.outstanding() == 1);  // still answered by the workers
+  for (std::size_t p = 0; p < 4; ++p) t.channel.reply(p, id, 1);
+  t.table.drain();
+  CHECK(t.table.outstanding() == 0);
+  CHECK(Table::error_of([&] { t.table.wait(f); }) == "unknown or already collected call");
+
+  // Releasing an answered call, or an unknown one, is harmless.
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, 1);
+  };
+  const auto g = t.table.call(inst, "m", Value::list(), "x.cpp:8");
+  t.table.drain();
+  t.table.release(g);
+  t.table.release(999);
+  CHECK(t.table.outstanding() == 0);
+}
+
+TEST_CASE("call: an unknown method or instance", "[call_table]") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  CHECK(Table::error_of([&] { t.table.call(inst, "stpe", Value::list(), "x.cpp:7"); }) ==
+        "no remote method stpe (class C has: m, slice, slice_dp, first, mean, flatten, quick); "
+        "declare it with TWINKLE_METHOD");
+  CHECK(Table::error_of([&] { t.table.call(inst + 100, "m", Value::list(), "x.cpp:7"); }) ==
+        "unknown instance handle");
+  CHECK(t.channel.count(0, MsgType::call) == 0);
+}
