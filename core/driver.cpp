@@ -121,6 +121,7 @@ class JobRun {
                       "use mode = \"local\"",
                       job_.file.string()));
     }
+    collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     local_ = discover_local(options_.gpus);
     placement_ = place(job_, local_);
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
@@ -290,6 +291,7 @@ class JobRun {
                        {"mesh", mesh_to_value(gr.spec->mesh)},
                        {"device", std::string(to_string(gr.spec->device))},
                        {"kv", kv_->endpoint()},
+                       {"collectives", collectives_},
                        {"timeout_s", job_.timeout_s}}));
     }
     return true;
@@ -704,6 +706,7 @@ class JobRun {
 
   RunOptions options_;
   Job job_;
+  std::string collectives_;  // the cpu groups' backend, TWINKLE_COLLECTIVES applied
   NodeResources local_;
   Placement placement_;
   std::optional<plugins::Plugin> plugin_;

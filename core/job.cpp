@@ -77,6 +77,8 @@ Override parse_override(std::string_view text) {
 
 namespace {
 
+bool is_collectives_backend(std::string_view v) { return v == "auto" || v == "shm" || v == "gloo"; }
+
 constexpr std::string_view kOverridePrefix = "--set ";
 
 // Validates one parsed document and builds the Job. Every failure throws ConfigError located at
@@ -211,9 +213,9 @@ class JobReader {
   }
 
   void read_job(const toml::table& t, Job& job) {
-    check_keys(
-        t, "job",
-        {"name", "mode", "plugin", "driver", "seed", "timeout_s", "address", "nproc_per_node"});
+    check_keys(t, "job",
+               {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
+                "nproc_per_node"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -252,6 +254,16 @@ class JobReader {
     if (auto n = t.get("timeout_s")) {
       job.timeout_s = get_number(*n, "job.timeout_s");
       if (!(job.timeout_s > 0)) fail(*n, "job.timeout_s", "job.timeout_s must be greater than 0");
+    }
+    if (auto n = t.get("collectives")) {
+      job.collectives = get_string(*n, "job.collectives");
+      if (!is_collectives_backend(job.collectives)) {
+        auto hint = closest_match(job.collectives, {"auto", "shm", "gloo"});
+        fail(*n, "job.collectives",
+             fmt::format("job.collectives must be \"auto\", \"shm\" or \"gloo\", not \"{}\"{}",
+                         job.collectives,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
     }
     if (auto n = t.get("address")) {
       job.address = get_string(*n, "job.address");
@@ -541,6 +553,17 @@ Job load_job(const std::filesystem::path& file, const std::vector<Override>& ove
   std::stringstream buf;
   buf << in.rdbuf();
   return parse_job(buf.str(), file, overrides);
+}
+
+std::string collectives_backend(const Job& job, const char* env) {
+  if (!env) return job.collectives;
+  if (!is_collectives_backend(env)) {
+    throw ConfigError(fmt::format(
+        "TWINKLE_COLLECTIVES must be \"auto\", \"shm\" or \"gloo\", not \"{}\"; unset it to use "
+        "job.collectives (\"{}\")",
+        env, job.collectives));
+  }
+  return env;
 }
 
 }  // namespace twinkle::core

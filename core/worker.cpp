@@ -19,6 +19,7 @@
 #include "core/values.hpp"
 #include "plugins/loader.hpp"
 #include "transports/gloo/communicator.hpp"
+#include "transports/shm/communicator.hpp"
 #include "transports/zmq/kv.hpp"
 #include "transports/zmq/message.hpp"
 #ifdef TWINKLE_HAVE_NCCL
@@ -187,6 +188,7 @@ class Worker {
     mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
     device_ = welcome->body["device"].as<std::string>();
     kv_endpoint_ = welcome->body["kv"].as<std::string>();
+    collectives_ = welcome->body["collectives"].as<std::string>();
     timeout_ = std::chrono::milliseconds(
         static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
@@ -261,8 +263,21 @@ class Worker {
           "this twinkle was built without CUDA/NCCL, so cuda groups have no collectives; rebuild "
           "where the CUDA toolkit and NCCL are installed");
 #endif
-    } else {
+    } else if (collectives_ == "gloo") {
       c = transport::create_gloo_communicator(*kv_, config);
+    } else {
+      // Every member takes the same branch: they all see the same host ids.
+      const bool local = transport::members_share_host(*kv_, config);
+      if (local) {
+        c = transport::create_shm_communicator(*kv_, config);
+      } else if (collectives_ == "shm") {
+        throw TransportError(fmt::format(
+            "collectives = \"shm\" but the members of {} are on more than one host; use \"auto\" "
+            "or \"gloo\"",
+            config.name));
+      } else {
+        c = transport::create_gloo_communicator(*kv_, config);
+      }
     }
     return *comms_.emplace(dim, std::move(c)).first->second;
   }
@@ -371,6 +386,7 @@ class Worker {
   std::map<std::uint64_t, Instance> instances_;
   std::unique_ptr<transport::ShmChannel> channel_;
   std::string kv_endpoint_;
+  std::string collectives_ = "auto";  // "auto" | "shm" | "gloo" for cpu groups
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<transport::KvClient> kv_;
   std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
