@@ -32,6 +32,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kMagic = 0x74776b2d73686d31;  // "twk-shm1"
 constexpr std::size_t kAlign = 64;
+// Sets of slots used in turn: a round writes one while the two before it are still being read.
+constexpr std::uint64_t kSets = 3;
 // How long a waiter sleeps before it looks at its peers again: the bound on noticing a dead one.
 constexpr std::chrono::milliseconds kSlice{50};
 
@@ -114,9 +116,11 @@ struct AccOf<BHalf> {
 };
 
 // out = srcs[0] op srcs[1] op ... op srcs[n-1], element-wise and always in that order, then
-// divided by n for mean. `out` may be one of the sources: each block is read before it is written.
+// divided by n for mean; also written to `out2` unless it is null. An output may be one of the
+// sources: each block is read before it is written.
 template <class T, ReduceOp Op>
-void reduce_block(const std::vector<const std::byte*>& srcs, std::byte* out, std::size_t count) {
+void reduce_block(const std::vector<const std::byte*>& srcs, std::byte* out, std::byte* out2,
+                  std::size_t count) {
   using Acc = typename AccOf<T>::type;
   constexpr std::size_t kBlock = 1024;
   Acc acc[kBlock];
@@ -143,10 +147,12 @@ void reduce_block(const std::vector<const std::byte*>& srcs, std::byte* out, std
     }
     T* o = reinterpret_cast<T*>(out) + base;
     for (std::size_t j = 0; j < len; ++j) from_acc(acc[j], o[j]);
+    if (out2) std::memcpy(reinterpret_cast<T*>(out2) + base, o, len * sizeof(T));
   }
 }
 
-using ReduceFn = void (*)(const std::vector<const std::byte*>&, std::byte*, std::size_t);
+using ReduceFn = void (*)(const std::vector<const std::byte*>&, std::byte*, std::byte*,
+                          std::size_t);
 
 template <class T>
 ReduceFn reducer_for(ReduceOp op) {
@@ -211,24 +217,51 @@ class ShmCommunicator : public Communicator {
     guard("all_reduce");
     const std::size_t esz = dtype_size(dtype);
     const std::size_t per_round = slot_ / esz;
+    const std::size_t rounds = (count + per_round - 1) / per_round;
+    const int me = config_.rank;
     auto* bytes = static_cast<std::byte*>(data);
     std::vector<const std::byte*> srcs(static_cast<std::size_t>(config_.size));
-    for (std::size_t off = 0; off < count; off += per_round) {
-      const std::size_t m = std::min(per_round, count - off);
-      std::memcpy(slot(config_.rank), bytes + off * esz, m * esz);
-      wait_all("all_reduce");
-      // Each member reduces its share of the round in place in its own slot, where no other
-      // member reads it until the next barrier.
-      const auto [a, len] = share(m, esz, config_.rank);
-      for (int q = 0; q < config_.size; ++q) srcs[static_cast<std::size_t>(q)] = slot(q) + a * esz;
-      if (len) reduce(srcs, slot(config_.rank) + a * esz, len);
-      wait_all("all_reduce");
-      for (int q = 0; q < config_.size; ++q) {
-        const auto [qa, qlen] = share(m, esz, q);
-        if (qlen) std::memcpy(bytes + (off + qa) * esz, slot(q) + qa * esz, qlen * esz);
+    const std::uint64_t first = round_;
+    auto set_of = [&](std::size_t k) { return static_cast<std::size_t>((first + k) % kSets); };
+    auto span_of = [&](std::size_t k) {
+      const std::size_t off = k * per_round;
+      return std::pair{off, std::min(per_round, count - off)};
+    };
+    // Round k: copy in (every member's part except its own share, which only it reads), reduce
+    // its share (from its own buffer and the others' slots, into its slot and its buffer), copy
+    // the others' shares out. Phase j copies round j-2 out, reduces round j-1 and copies round j
+    // in: three sets, one barrier per round.
+    for (std::size_t j = 0; j <= rounds + 1; ++j) {
+      if (j >= 2) {
+        const std::size_t k = j - 2;
+        const auto [off, m] = span_of(k);
+        for (int q = 0; q < config_.size; ++q) {
+          const auto [qa, qlen] = share(m, esz, q);
+          if (q != me && qlen)
+            std::memcpy(bytes + (off + qa) * esz, slot(set_of(k), q) + qa * esz, qlen * esz);
+        }
       }
-      next_round();
+      if (j >= 1 && j <= rounds) {
+        const std::size_t k = j - 1;
+        const auto [off, m] = span_of(k);
+        const auto [a, len] = share(m, esz, me);
+        for (int q = 0; q < config_.size; ++q) {
+          srcs[static_cast<std::size_t>(q)] =
+              q == me ? bytes + (off + a) * esz : slot(set_of(k), q) + a * esz;
+        }
+        if (len) reduce(srcs, slot(set_of(k), me) + a * esz, bytes + (off + a) * esz, len);
+      }
+      if (j < rounds) {
+        const auto [off, m] = span_of(j);
+        const auto [a, len] = share(m, esz, me);
+        std::byte* mine = slot(set_of(j), me);
+        if (a) std::memcpy(mine, bytes + off * esz, a * esz);
+        if (a + len < m)
+          std::memcpy(mine + (a + len) * esz, bytes + (off + a + len) * esz, (m - a - len) * esz);
+      }
+      if (j <= rounds) wait_all("all_reduce");
     }
+    round_ += rounds;
   }
 
   void broadcast(void* data, std::size_t count, DType dtype, int root) override {
@@ -278,7 +311,7 @@ class ShmCommunicator : public Communicator {
     if (count == 0) return;
     if (config_.size <= 1) {
       const std::vector<const std::byte*> srcs{static_cast<const std::byte*>(in)};
-      reduce(srcs, static_cast<std::byte*>(out), count);  // mean over one member is a copy
+      reduce(srcs, static_cast<std::byte*>(out), nullptr, count);  // a mean of one is a copy
       return;
     }
     guard("reduce_scatter");
@@ -295,7 +328,7 @@ class ShmCommunicator : public Communicator {
       wait_all("reduce_scatter");
       for (std::size_t q = 0; q < n; ++q)
         srcs[q] = slot(static_cast<int>(q)) + static_cast<std::size_t>(config_.rank) * m * esz;
-      reduce(srcs, dst + off * esz, m);
+      reduce(srcs, dst + off * esz, nullptr, m);
       next_round();
     }
   }
@@ -312,7 +345,7 @@ class ShmCommunicator : public Communicator {
     const CommConfig& c = config_;
     const auto n = static_cast<std::size_t>(c.size);
     header_bytes_ = header_bytes(c.size);
-    bytes_ = header_bytes_ + 2 * n * slot_;
+    bytes_ = header_bytes_ + kSets * n * slot_;
     const std::string key = c.name + "/shm-segment";
     if (c.rank == 0) {
       // memfd names are limited to 249 bytes; the name only helps whoever reads /proc/PID/maps.
@@ -410,12 +443,12 @@ class ShmCommunicator : public Communicator {
   }
   MemberState& self() const { return member(config_.rank); }
 
-  // Slot `q` of the current round's set.
-  std::byte* slot(int q) const {
-    const std::size_t set = round_ & 1;
+  // Slot `q` of set `set`, or of the current round's set.
+  std::byte* slot(std::size_t set, int q) const {
     return base_ + header_bytes_ +
            (set * static_cast<std::size_t>(config_.size) + static_cast<std::size_t>(q)) * slot_;
   }
+  std::byte* slot(int q) const { return slot(static_cast<std::size_t>(round_ % kSets), q); }
   void next_round() { ++round_; }
 
   // Member q's share [first, first + len) of a round of m elements: cache-line multiples.
@@ -458,7 +491,7 @@ class ShmCommunicator : public Communicator {
     };
     // Spinning only pays while every member has a core of its own.
     static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    const int spins = config_.size <= cpus ? 20000 : 100;
+    const int spins = config_.size <= cpus ? 2000 : 0;
     for (int i = 0; i < spins; ++i) {
       if (done()) return;
       __builtin_ia32_pause();
@@ -557,9 +590,15 @@ bool members_share_host(KvStore& store, const CommConfig& config) {
   return same;
 }
 
+std::size_t shm_slot_bytes(int size) {
+  const auto n = static_cast<std::size_t>(std::max(size, 1));
+  return std::clamp((std::size_t{8} << 20) / (n * n), std::size_t{128} << 10, std::size_t{2} << 20);
+}
+
 std::unique_ptr<Communicator> create_shm_communicator(KvStore& store, const CommConfig& config,
                                                       std::size_t slot_bytes) {
-  return std::make_unique<ShmCommunicator>(store, config, slot_bytes);
+  return std::make_unique<ShmCommunicator>(store, config,
+                                           slot_bytes ? slot_bytes : shm_slot_bytes(config.size));
 }
 
 }  // namespace twinkle::transport
