@@ -44,6 +44,12 @@ struct Bench {
     comm.barrier();
     return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
   }
+  // One 1-float all_reduce: connects the group's collective on first use.
+  double reduce_one(Context& ctx) {
+    float x = 1.0f;
+    ctx.comm().all_reduce(std::span<float>(&x, 1));
+    return x;
+  }
 };
 TWINKLE_CLASS(Bench, twinkle::execute::all);
 TWINKLE_METHOD(Bench, noop, twinkle::dispatch::all, twinkle::collect::first);
@@ -51,6 +57,7 @@ TWINKLE_METHOD(Bench, one, twinkle::dispatch::all, twinkle::collect::sum);
 TWINKLE_METHOD(Bench, take, twinkle::dispatch::slice_dp, twinkle::collect::sum);
 TWINKLE_METHOD(Bench, all_reduce, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, broadcast, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Bench, reduce_one, twinkle::dispatch::all, twinkle::collect::first);
 
 namespace {
 
@@ -127,6 +134,13 @@ TWINKLE_DRIVER(first_call, twinkle::Driver& d) {
 }
 
 TWINKLE_DRIVER(noop, twinkle::Driver&) {}
+
+// Start, one all_reduce over every worker of the only group, exit: the launch figure.
+TWINKLE_DRIVER(launch, twinkle::Driver& d) {
+  auto h = d.create<Bench>("eight");
+  const double sum = h.call("reduce_one").get().as<double>();
+  if (sum != 8.0) throw std::runtime_error("all_reduce of ones over 8 workers is not 8");
+}
 
 TWINKLE_DRIVER(all_reduce, twinkle::Driver& d) {
   const int mib = d.args()["all_reduce_mib"].as<int>();

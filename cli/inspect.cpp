@@ -18,13 +18,13 @@ struct InspectOptions {
 std::string timeout_text(double t) { return t > 0 ? fmt::format("{:g}s", t) : "job"; }
 
 std::string dispatch_text(const plugins::MethodInfo& m) {
-  return m.dispatch == core::Dispatch::custom ? fmt::format("custom:{}", m.custom_dispatch)
-                                              : std::string(core::to_string(m.dispatch));
+  return m.dispatch == Dispatch::custom ? fmt::format("custom:{}", m.custom_dispatch)
+                                        : std::string(to_string(m.dispatch));
 }
 
 std::string collect_text(const plugins::MethodInfo& m) {
-  return m.collect == core::Collect::custom ? fmt::format("custom:{}", m.custom_collect)
-                                            : std::string(core::to_string(m.collect));
+  return m.collect == Collect::custom ? fmt::format("custom:{}", m.custom_collect)
+                                      : std::string(to_string(m.collect));
 }
 
 int run_inspect(const InspectOptions& o) {
@@ -35,17 +35,16 @@ int run_inspect(const InspectOptions& o) {
       nlohmann::json methods = nlohmann::json::array();
       for (const auto& m : c.methods) {
         methods.push_back({{"name", m.name},
-                           {"dispatch", std::string(core::to_string(m.dispatch))},
+                           {"dispatch", std::string(to_string(m.dispatch))},
                            {"custom_dispatch", m.custom_dispatch},
-                           {"execute", std::string(core::to_string(m.execute))},
+                           {"execute", std::string(to_string(m.execute))},
                            {"execute_from_class", m.execute_from_class},
-                           {"collect", std::string(core::to_string(m.collect))},
+                           {"collect", std::string(to_string(m.collect))},
                            {"custom_collect", m.custom_collect},
                            {"timeout_s", m.timeout_s}});
       }
-      classes.push_back({{"name", c.name},
-                         {"execute", std::string(core::to_string(c.execute))},
-                         {"methods", methods}});
+      classes.push_back(
+          {{"name", c.name}, {"execute", std::string(to_string(c.execute))}, {"methods", methods}});
     }
     auto names = [](const auto& v) {
       nlohmann::json a = nlohmann::json::array();
@@ -66,12 +65,12 @@ int run_inspect(const InspectOptions& o) {
   fmt::print("plugin {} {} ({}, ABI {})\n", p.name(), p.version(), p.path().string(),
              p.abi_version());
   for (const auto& c : p.classes()) {
-    fmt::print("\nclass {} (execute {})\n", c.name, core::to_string(c.execute));
+    fmt::print("\nclass {} (execute {})\n", c.name, to_string(c.execute));
     fmt::print("  {:<20} {:<18} {:<8} {:<18} {}\n", "METHOD", "DISPATCH", "EXECUTE", "COLLECT",
                "TIMEOUT");
     for (const auto& m : c.methods) {
       fmt::print("  {:<20} {:<18} {:<8} {:<18} {}\n", m.name, dispatch_text(m),
-                 core::to_string(m.execute), collect_text(m), timeout_text(m.timeout_s));
+                 to_string(m.execute), collect_text(m), timeout_text(m.timeout_s));
     }
     if (c.methods.empty()) fmt::print("  (no remote methods)\n");
   }

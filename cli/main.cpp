@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
-#include "core/error.hpp"
+#include "cli/exit_codes.hpp"
 #include "twinkle_config.h"
 
 int main(int argc, char** argv) {
@@ -27,18 +27,18 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);
-    return twinkle::kExitUsage;
+    return twinkle::cli::kExitUsage;
   }
 
   try {
-    return action ? action() : twinkle::kExitUsage;
+    return action ? action() : twinkle::cli::kExitUsage;
   } catch (const twinkle::Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "twinkle: {}\n", e.what());
-    return e.exit_code();
+    return twinkle::cli::exit_code_for(e);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     fmt::print(stderr, "twinkle: internal error: {}\n", e.what());
-    return twinkle::kExitJobFailed;
+    return twinkle::cli::kExitJobFailed;
   }
 }

@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
-#include "core/resources.hpp"
+#include "core/job/resources.hpp"
 
 namespace twinkle::cli {
 

@@ -1,9 +1,12 @@
 #include <string>
 #include <vector>
 
+#include <signal.h>
+
 #include "cli/commands.hpp"
-#include "core/driver.hpp"
-#include "core/worker.hpp"
+#include "cli/exit_codes.hpp"
+#include "core/runtime/driver.hpp"
+#include "core/runtime/worker.hpp"
 
 namespace twinkle::cli {
 
@@ -26,7 +29,14 @@ int run_run(const RunCliOptions& o) {
   if (!o.log_dir.empty()) r.log_dir = o.log_dir;
   r.quiet = o.quiet;
   r.ascii = o.ascii;
-  return core::run_job(r);
+  const core::RunResult result = core::run_job(r);
+  switch (result.outcome) {
+    case core::RunResult::Outcome::ok: return kExitOk;
+    case core::RunResult::Outcome::failed: return kExitJobFailed;
+    case core::RunResult::Outcome::interrupted:
+      return result.signal == SIGINT ? kExitInterrupted : 128 + result.signal;
+  }
+  return kExitJobFailed;
 }
 
 }  // namespace
@@ -55,7 +65,8 @@ void setup_worker(CLI::App& app, Action& action) {
   sub->add_option("--endpoint", o->endpoint, "The driver's control socket")->required();
   sub->add_option("--plugin", o->plugin, "The plugin to load")->required();
   sub->add_option("--run-dir", o->run_dir, "The run's private directory");
-  sub->callback([o, &action] { action = [o] { return core::run_worker(*o); }; });
+  sub->callback(
+      [o, &action] { action = [o] { return core::run_worker(*o) ? kExitOk : kExitJobFailed; }; });
 }
 
 }  // namespace twinkle::cli

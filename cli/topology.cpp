@@ -5,9 +5,9 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
-#include "core/job.hpp"
-#include "core/placement.hpp"
-#include "core/topology.hpp"
+#include "core/job/job.hpp"
+#include "core/job/placement.hpp"
+#include "core/job/topology.hpp"
 
 namespace twinkle::cli {
 

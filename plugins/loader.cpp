@@ -6,10 +6,11 @@
 #include <cstddef>
 #include <fstream>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::plugins {
 
@@ -94,34 +95,34 @@ bool has_field(std::uint32_t size, std::size_t offset) {
   return size >= offset + sizeof(T);
 }
 
-core::Dispatch to_dispatch(std::int32_t v, const std::string& where) {
+Dispatch to_dispatch(std::int32_t v, const std::string& where) {
   if (v < TWK_DISPATCH_ALL || v > TWK_DISPATCH_CUSTOM) {
     throw PluginError(fmt::format(
         "{}: dispatch value {} is unknown (known: 0 all, 1 slice, 2 slice_dp, 3 custom); "
         "rebuild the plugin against this twinkle's SDK",
         where, v));
   }
-  return static_cast<core::Dispatch>(v);
+  return static_cast<Dispatch>(v);
 }
 
-core::Execute to_execute(std::int32_t v, const std::string& where, bool allow_class) {
+Execute to_execute(std::int32_t v, const std::string& where, bool allow_class) {
   if (v < TWK_EXECUTE_ALL || v > (allow_class ? TWK_EXECUTE_CLASS : TWK_EXECUTE_PEER)) {
     throw PluginError(
         fmt::format("{}: execute value {} is unknown (known: 0 all, 1 first, 2 peer{}); "
                     "rebuild the plugin against this twinkle's SDK",
                     where, v, allow_class ? ", 3 as the class" : ""));
   }
-  return v == TWK_EXECUTE_CLASS ? core::Execute::all : static_cast<core::Execute>(v);
+  return v == TWK_EXECUTE_CLASS ? Execute::all : static_cast<Execute>(v);
 }
 
-core::Collect to_collect(std::int32_t v, const std::string& where) {
+Collect to_collect(std::int32_t v, const std::string& where) {
   if (v < TWK_COLLECT_NONE || v > TWK_COLLECT_CUSTOM) {
     throw PluginError(fmt::format(
         "{}: collect value {} is unknown (known: 0 none, 1 mean, 2 sum, 3 first, "
         "4 last_pp, 5 flatten, 6 custom); rebuild the plugin against this twinkle's SDK",
         where, v));
   }
-  return static_cast<core::Collect>(v);
+  return static_cast<Collect>(v);
 }
 
 std::string name_or_fail(const char* n, const std::string& what) {
@@ -238,12 +239,12 @@ Plugin Plugin::load(const std::filesystem::path& path) {
       if (!(m.timeout_s >= 0))
         throw PluginError(fmt::format("{}: timeout {} must be >= 0", mw, m.timeout_s));
       mi.timeout_s = m.timeout_s;
-      if (mi.dispatch == core::Dispatch::custom) {
+      if (mi.dispatch == Dispatch::custom) {
         if (!m.custom_dispatch)
           throw PluginError(fmt::format("{}: custom dispatch names no function", mw));
         mi.custom_dispatch = m.custom_dispatch;
       }
-      if (mi.collect == core::Collect::custom) {
+      if (mi.collect == Collect::custom) {
         if (!m.custom_collect)
           throw PluginError(fmt::format("{}: custom collect names no function", mw));
         mi.custom_collect = m.custom_collect;

@@ -4,17 +4,17 @@
 #include <string>
 #include <vector>
 
-#include "core/dispatch.hpp"
+#include "twinkle/metadata.hpp"
 #include "twinkle/plugin.h"
 
 namespace twinkle::plugins {
 
 struct MethodInfo {
   std::string name;
-  core::Dispatch dispatch = core::Dispatch::all;
-  core::Execute execute = core::Execute::all;  // the class's when the method says "as the class"
+  Dispatch dispatch = Dispatch::all;
+  Execute execute = Execute::all;  // the class's when the method says "as the class"
   bool execute_from_class = true;
-  core::Collect collect = core::Collect::none;
+  Collect collect = Collect::none;
   double timeout_s = 0;  // 0: the job's timeout_s
   std::string custom_dispatch;
   std::string custom_collect;
@@ -23,7 +23,7 @@ struct MethodInfo {
 
 struct ClassInfo {
   std::string name;
-  core::Execute execute = core::Execute::all;
+  Execute execute = Execute::all;
   twk_construct_fn construct = nullptr;
   twk_destruct_fn destruct = nullptr;
   std::vector<MethodInfo> methods;

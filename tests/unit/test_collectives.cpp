@@ -15,10 +15,10 @@
 #include <mutex>
 #include <thread>
 
-#include "core/error.hpp"
 #include "transports/gloo/communicator.hpp"
 #include "transports/shm/communicator.hpp"
 #include "transports/zmq/kv.hpp"
+#include "twinkle/errors.hpp"
 
 using twinkle::DType;
 using twinkle::transport::CommConfig;

@@ -6,9 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "core/dispatch.hpp"
-#include "core/error.hpp"
-#include "core/mesh.hpp"
+#include "cli/exit_codes.hpp"
+#include "core/job/dispatch.hpp"
+#include "core/job/mesh.hpp"
+#include "twinkle/errors.hpp"
 
 using twinkle::DType;
 using twinkle::Tensor;
@@ -48,7 +49,7 @@ std::string error_text(const std::function<void()>& f) {
   try {
     f();
   } catch (const twinkle::Error& e) {
-    CHECK(e.exit_code() == 1);
+    CHECK(twinkle::cli::exit_code_for(e) == twinkle::cli::kExitJobFailed);
     return e.what();
   }
   FAIL("no twinkle::Error was thrown");
@@ -58,7 +59,7 @@ std::string error_text(const std::function<void()>& f) {
 }  // namespace
 
 TEST_CASE("names match the job file and plugin table spelling", "[dispatch]") {
-  using twinkle::core::to_string;
+  using twinkle::to_string;
   CHECK(to_string(Dispatch::slice_dp) == "slice_dp");
   CHECK(to_string(Dispatch::custom) == "custom");
   CHECK(to_string(Execute::peer) == "peer");

@@ -1,6 +1,6 @@
 #include <catch2/catch.hpp>
 
-#include "core/mesh.hpp"
+#include "core/job/mesh.hpp"
 
 using twinkle::core::DeviceMesh;
 using V = std::vector<int>;

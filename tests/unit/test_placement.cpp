@@ -2,8 +2,8 @@
 
 #include <cstdlib>
 
-#include "core/error.hpp"
-#include "core/placement.hpp"
+#include "core/job/placement.hpp"
+#include "twinkle/errors.hpp"
 
 using namespace twinkle::core;
 

@@ -4,9 +4,9 @@
 
 #include <cstring>
 
-#include "core/error.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/message.hpp"
+#include "twinkle/errors.hpp"
 
 using namespace twinkle;
 using namespace twinkle::transport;

@@ -4,8 +4,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/placement.hpp"
-#include "core/topology.hpp"
+#include "core/job/placement.hpp"
+#include "core/job/topology.hpp"
 
 using namespace twinkle::core;
 

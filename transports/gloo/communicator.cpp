@@ -15,7 +15,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::transport {
 

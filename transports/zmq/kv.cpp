@@ -5,8 +5,8 @@
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
 #include "transports/zmq/message.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::transport {
 

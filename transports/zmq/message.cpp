@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::transport {
 
@@ -78,7 +78,13 @@ std::vector<zmq::message_t> encode_message(const Message& m, ShmChannel* channel
     }
     table.emplace_back(std::move(entry));
   }
-  EncodedValue te = encode(Value(std::move(table)));
+  // Which of the peer's pooled segments this side let go of since the last message: the peer may
+  // reuse them. Part of the framing, never of the body.
+  Value::List released;
+  if (channel) {
+    for (std::uint64_t id : channel->take_released()) released.emplace_back(id);
+  }
+  EncodedValue te = encode(Value::list({Value(std::move(table)), Value(std::move(released))}));
   frames.emplace_back(te.msgpack.data(), te.msgpack.size());
   for (auto& t : e.tensors) {
     if (!t.defined() || t.nbytes() == 0) {
@@ -121,7 +127,11 @@ Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel
   // The frames are owned by shared storage so that received tensors can view them.
   auto owned = std::make_shared<std::vector<zmq::message_t>>(std::move(frames));
   try {
-    Value table = decode((*owned)[2].data(), (*owned)[2].size(), {});
+    Value framing = decode((*owned)[2].data(), (*owned)[2].size(), {});
+    if (!framing.is_list() || framing.size() != 2 || !framing[1].is_list()) {
+      throw TransportError("malformed message: the tensor frame is not [tensors, released]");
+    }
+    const Value& table = framing[0];
     if (!table.is_list() || table.size() != owned->size() - 3) {
       throw TransportError(
           fmt::format("malformed message: the tensor table lists {} tensor(s) for {} frame(s)",
@@ -157,6 +167,9 @@ Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel
                                      std::shared_ptr<const void>(owned, frame.data())));
     }
     m.body = decode((*owned)[1].data(), (*owned)[1].size(), tensors);
+    if (channel && channel->pool()) {
+      for (const auto& id : framing[1]) channel->pool()->released(id.as<std::uint64_t>());
+    }
   } catch (const ValueError& e) {
     throw TransportError(fmt::format("malformed {} message: {}", to_string(m.type), e.what()));
   }

@@ -14,7 +14,7 @@
 namespace twinkle::transport {
 
 // Version of the control-channel protocol, checked at hello. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 1;
+inline constexpr std::uint16_t kProtocolVersion = 2;
 
 enum class MsgType : std::uint16_t {
   hello = 1,      // worker -> driver: {rank, group, pid, host}
@@ -33,12 +33,15 @@ const char* to_string(MsgType t);
 
 // One control-channel message. On the wire it is multipart:
 //   [header: 'T' 'W' 'K' 'P', u16 protocol version, u16 type, u64 id (little endian)]
-//   [body: msgpack]  [tensor table: msgpack [[dtype, [shape...]], ...]]  [one frame per tensor]
+//   [body: msgpack]  [framing: msgpack [[[dtype, [shape...]], ...], [released pool ids...]]]
+//   [one frame per tensor]
 // Tensor payloads are never copied into the body: sending references the tensor's memory (kept
 // alive until ZeroMQ is done with it), receiving makes tensors that view the received frames.
 // With a ShmChannel to the peer, tensors of kShmThreshold bytes or more travel as shared memory
 // instead: their table entry is [dtype, shape, token, offset, pool id] and their frame is empty;
 // the memfd goes over the channel (a tensor not in shared memory yet is copied into it once).
+// The framing also carries the ids of the peer's pooled segments this side has let go of (taken
+// from the channel when sending, handed to the channel's pool when receiving).
 struct Message {
   MsgType type = MsgType::hello;
   std::uint64_t id = 0;

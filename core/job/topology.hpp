@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/placement.hpp"
+#include "core/job/placement.hpp"
 
 namespace twinkle::core {
 

@@ -1,4 +1,4 @@
-#include "core/notify.hpp"
+#include "core/runtime/notify.hpp"
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>

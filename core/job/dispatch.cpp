@@ -1,4 +1,4 @@
-#include "core/dispatch.hpp"
+#include "core/job/dispatch.hpp"
 
 #include <algorithm>
 #include <map>
@@ -10,45 +10,13 @@
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::core {
 
 using twinkle::DType;
 using twinkle::Tensor;
 using twinkle::Value;
-
-std::string_view to_string(Dispatch d) {
-  switch (d) {
-    case Dispatch::all: return "all";
-    case Dispatch::slice: return "slice";
-    case Dispatch::slice_dp: return "slice_dp";
-    case Dispatch::custom: return "custom";
-  }
-  return "unknown";
-}
-
-std::string_view to_string(Execute e) {
-  switch (e) {
-    case Execute::all: return "all";
-    case Execute::first: return "first";
-    case Execute::peer: return "peer";
-  }
-  return "unknown";
-}
-
-std::string_view to_string(Collect c) {
-  switch (c) {
-    case Collect::none: return "none";
-    case Collect::mean: return "mean";
-    case Collect::sum: return "sum";
-    case Collect::first: return "first";
-    case Collect::last_pp: return "last_pp";
-    case Collect::flatten: return "flatten";
-    case Collect::custom: return "custom";
-  }
-  return "unknown";
-}
 
 std::pair<std::int64_t, std::int64_t> balanced_range(std::int64_t len, int n, int i) {
   if (len < 0 || n < 1 || i < 0 || i >= n) {

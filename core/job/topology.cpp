@@ -1,4 +1,4 @@
-#include "core/topology.hpp"
+#include "core/job/topology.hpp"
 
 #include <algorithm>
 

@@ -6,7 +6,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/mesh.hpp"
+#include "core/job/mesh.hpp"
+#include "twinkle/metadata.hpp"
 #include "twinkle/value.hpp"
 
 // The metadata on every remote method (DESIGN.md section 5): how the driver hands arguments to the
@@ -16,15 +17,11 @@
 // Every function here is pure: no state, safe to call from any thread.
 namespace twinkle::core {
 
-// Values equal TWK_DISPATCH_*, TWK_EXECUTE_* and TWK_COLLECT_* in twinkle/plugin.h.
-enum class Dispatch { all = 0, slice = 1, slice_dp = 2, custom = 3 };
-enum class Execute { all = 0, first = 1, peer = 2 };
-enum class Collect { none = 0, mean = 1, sum = 2, first = 3, last_pp = 4, flatten = 5, custom = 6 };
-
-// The names used in job files, plugin tables and messages: "slice_dp", "last_pp", ...
-std::string_view to_string(Dispatch d);
-std::string_view to_string(Execute e);
-std::string_view to_string(Collect c);
+// Dispatch, Execute and Collect (and their to_string) are the SDK's vocabulary:
+// twinkle/metadata.hpp.
+using twinkle::Collect;
+using twinkle::Dispatch;
+using twinkle::Execute;
 
 // The half-open range [begin, end) of part `i` when `len` items are cut into `n` contiguous parts
 // whose sizes differ by at most one, the first `len % n` parts one larger. Requires n >= 1 and

@@ -1,10 +1,10 @@
-#include "core/placement.hpp"
+#include "core/job/placement.hpp"
 
 #include <algorithm>
 
 #include <fmt/format.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::core {
 

@@ -6,9 +6,8 @@
 #include <string>
 #include <vector>
 
-#include <toml++/toml.h>
-
-#include "core/mesh.hpp"
+#include "core/job/mesh.hpp"
+#include "twinkle/value.hpp"
 
 namespace twinkle::core {
 
@@ -56,7 +55,7 @@ struct Job {
   std::string address;
   int nproc_per_node = 0;  // 0: not set
   std::vector<GroupSpec> groups;
-  toml::table args;
+  Value args = Value::map();  // [args], free-form
   std::optional<NotifySpec> notify;
 
   const GroupSpec* find_group(std::string_view name) const;

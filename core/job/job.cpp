@@ -1,4 +1,4 @@
-#include "core/job.hpp"
+#include "core/job/job.hpp"
 
 #include <algorithm>
 #include <fstream>
@@ -7,8 +7,9 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <toml++/toml.h>
 
-#include "core/error.hpp"
+#include "twinkle/errors.hpp"
 
 namespace twinkle::core {
 
@@ -78,6 +79,32 @@ Override parse_override(std::string_view text) {
 namespace {
 
 bool is_collectives_backend(std::string_view v) { return v == "auto" || v == "shm" || v == "gloo"; }
+
+// [args] (or any TOML node) as a Value: tables become maps, arrays lists, dates and times their
+// TOML text.
+Value to_value(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::table: {
+      Value m = Value::map();
+      for (auto&& [k, v] : *node.as_table()) m[k.str()] = to_value(v);
+      return m;
+    }
+    case toml::node_type::array: {
+      Value l = Value::list();
+      for (auto&& v : *node.as_array()) l.push_back(to_value(v));
+      return l;
+    }
+    case toml::node_type::string: return Value(*node.value<std::string>());
+    case toml::node_type::integer: return Value(*node.value<std::int64_t>());
+    case toml::node_type::floating_point: return Value(*node.value<double>());
+    case toml::node_type::boolean: return Value(*node.value<bool>());
+    default: {
+      std::ostringstream s;
+      node.visit([&](auto&& v) { s << v; });
+      return Value(s.str());
+    }
+  }
+}
 
 constexpr std::string_view kOverridePrefix = "--set ";
 
@@ -206,7 +233,7 @@ class JobReader {
       job.groups.push_back(std::move(g));
     }
 
-    if (const toml::node* args = root.get("args")) job.args = get_table(*args, "args");
+    if (const toml::node* args = root.get("args")) job.args = to_value(get_table(*args, "args"));
     if (const toml::node* notify = root.get("notify"))
       job.notify = read_notify(get_table(*notify, "notify"));
     return job;

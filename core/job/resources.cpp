@@ -1,4 +1,4 @@
-#include "core/resources.hpp"
+#include "core/job/resources.hpp"
 
 #include <dlfcn.h>
 #include <sched.h>

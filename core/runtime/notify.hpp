@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "core/job.hpp"
+#include "core/job/job.hpp"
 
 namespace twinkle::core {
 

@@ -1,4 +1,4 @@
-#include "core/mesh.hpp"
+#include "core/job/mesh.hpp"
 
 #include <algorithm>
 #include <stdexcept>

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core/job.hpp"
+#include "core/job/job.hpp"
 
 namespace twinkle::core {
 
@@ -18,10 +18,17 @@ struct RunOptions {
   bool ascii = false;                            // topology in plain ASCII
 };
 
+// How a run ended.
+struct RunResult {
+  enum class Outcome { ok, failed, interrupted };
+  Outcome outcome = Outcome::ok;
+  int signal = 0;  // interrupted: the signal that stopped it
+};
+
 // `twinkle run`: validates the job, prints the topology, loads the plugin, starts one worker per
-// rank, runs the plugin's driver entry, and tears everything down however it ends. Returns the
-// exit code (0 ok, 1 job failed, 130/143 interrupted); throws ConfigError / PluginError for a bad
-// job or plugin before anything was started.
-int run_job(const RunOptions& options);
+// rank, runs the plugin's driver entry, and tears everything down however it ends: a failure, a
+// signal (SIGINT, SIGTERM, SIGHUP) or success all unwind through the same path. Throws
+// ConfigError / PluginError for a bad job or plugin before anything was started.
+RunResult run_job(const RunOptions& options);
 
 }  // namespace twinkle::core

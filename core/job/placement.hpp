@@ -3,8 +3,8 @@
 #include <string>
 #include <vector>
 
-#include "core/job.hpp"
-#include "core/resources.hpp"
+#include "core/job/job.hpp"
+#include "core/job/resources.hpp"
 
 namespace twinkle::core {
 

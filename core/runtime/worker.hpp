@@ -14,7 +14,8 @@ struct WorkerOptions {
 // The body of `twinkle worker`: connects to the driver, says hello, loads the plugin, then
 // serves create/call/shutdown messages one at a time until shutdown. Identity (group, rank, ...)
 // comes from the environment the launcher set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-// TWINKLE_GROUP, TWINKLE_WORKER_NAME). Returns the process exit code.
-int run_worker(const WorkerOptions& options);
+// TWINKLE_GROUP, TWINKLE_WORKER_NAME). Returns true after an orderly shutdown, false when the
+// driver never welcomed it.
+bool run_worker(const WorkerOptions& options);
 
 }  // namespace twinkle::core

@@ -1,6 +1,7 @@
-#include "core/worker.hpp"
+#include "core/runtime/worker.hpp"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,13 +16,14 @@
 #include <fmt/format.h>
 #include <zmq.hpp>
 
-#include "core/error.hpp"
-#include "core/values.hpp"
+#include "core/job/values.hpp"
+#include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
 #include "transports/gloo/communicator.hpp"
 #include "transports/shm/communicator.hpp"
+#include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
-#include "transports/zmq/message.hpp"
+#include "twinkle/errors.hpp"
 #ifdef TWINKLE_HAVE_NCCL
 #include "transports/nccl/communicator.hpp"
 #endif
@@ -34,23 +36,16 @@ using transport::Message;
 using transport::MsgType;
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
-char g_socket_path[4096];
-char g_run_dir[4096];
+constexpr std::size_t kPathMax = 4096;
+char g_run_files[3][kPathMax];  // the control socket, the rendezvous socket, the owner file
+char g_run_dir[kPathMax];
 
 extern "C" void on_driver_death(int) {
-  // Only async-signal-safe calls. The launcher sets PR_SET_PDEATHSIG(SIGHUP) and stops workers
-  // with SIGTERM/SIGKILL, so SIGHUP here means the driver died (even SIGKILLed) and left its run
-  // directory behind: the workers remove it on their way out.
-  if (g_socket_path[0]) unlink(g_socket_path);
-  if (g_socket_path[0]) {
-    // The rendezvous socket sits beside the control socket.
-    char kv[sizeof g_socket_path + 8];
-    std::size_t n = std::strlen(g_socket_path);
-    if (n > 3 && n + 1 < sizeof kv) {
-      std::memcpy(kv, g_socket_path, n - 3);
-      std::memcpy(kv + n - 3, "kv", 3);
-      unlink(kv);
-    }
+  // Only async-signal-safe calls. The worker asks for SIGHUP when its parent dies, and the
+  // launcher stops workers with SIGTERM/SIGKILL, so SIGHUP here means the driver died (even
+  // SIGKILLed) and left its run folder behind: the workers remove it on their way out.
+  for (const char* f : g_run_files) {
+    if (f[0]) unlink(f);
   }
   if (g_run_dir[0]) rmdir(g_run_dir);
   // Whatever the workers started dies with them: the whole worker process group.
@@ -107,21 +102,16 @@ Shared share(Value v) {
 
 class Worker {
  public:
-  Worker(const WorkerOptions& o, plugins::Plugin plugin)
-      : options_(o), plugin_(std::move(plugin)), socket_(zmq_, zmq::socket_type::dealer) {
+  Worker(const WorkerOptions& o, plugins::Plugin plugin) : options_(o), plugin_(std::move(plugin)) {
     name_ = env_str("TWINKLE_WORKER_NAME");
     group_ = env_str("TWINKLE_GROUP");
     rank_ = env_int("RANK", 0);
     world_ = env_int("WORLD_SIZE", 1);
     local_rank_ = env_int("LOCAL_RANK", rank_);
     local_world_ = env_int("LOCAL_WORLD_SIZE", world_);
-    socket_.set(zmq::sockopt::routing_id, name_);
-    socket_.set(zmq::sockopt::linger, 2000);
-    socket_.set(zmq::sockopt::sndhwm, 0);  // see the driver: pipelined calls must not deadlock
-    socket_.set(zmq::sockopt::rcvhwm, 0);
-    socket_.connect(o.endpoint);
-    if (const char* fd = std::getenv("TWINKLE_SHM_FD"))
-      channel_ = std::make_unique<transport::ShmChannel>(std::atoi(fd));
+    const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
+    link_ =
+        transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
     host_.size = sizeof host_;
     host_.abi_version = TWK_ABI_VERSION;
     host_.log = &log_line;
@@ -167,7 +157,7 @@ class Worker {
     };
   }
 
-  int run() {
+  bool run() {
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     send(MsgType::hello, 0,
@@ -176,11 +166,11 @@ class Worker {
                      {"rank", rank_},
                      {"pid", static_cast<int>(getpid())},
                      {"host", std::string(host)}}));
-    auto welcome = transport::recv_message(socket_, 60'000, nullptr, channel_of());
+    auto welcome = link_->recv(std::chrono::seconds(60));
     if (!welcome || welcome->type != MsgType::welcome) {
       std::fprintf(stderr, "twinkle worker %s: no welcome from the driver at %s\n", name_.c_str(),
                    options_.endpoint.c_str());
-      return kExitJobFailed;
+      return false;
     }
     job_ = welcome->body["job"].as<std::string>();
     args_ = encode(welcome->body["args"]);
@@ -193,7 +183,7 @@ class Worker {
         static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
     for (;;) {
-      auto m = transport::recv_message(socket_, -1, nullptr, channel_of());
+      auto m = link_->recv(std::chrono::milliseconds(-1));
       if (!m) continue;
       switch (m->type) {
         case MsgType::create: create(*m); break;
@@ -202,7 +192,7 @@ class Worker {
           for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
           instances_.clear();
           comms_.clear();
-          return kExitOk;
+          return true;
         default:
           std::fprintf(stderr, "twinkle worker %s: unexpected %s message ignored\n", name_.c_str(),
                        transport::to_string(m->type));
@@ -313,15 +303,7 @@ class Worker {
   }
 
   void send(MsgType t, std::uint64_t id, Value body) {
-    // Tell the driver which of its pooled segments this worker let go of, so it can reuse them.
-    if (channel_ && body.is_map()) {
-      auto released = channel_->take_released();
-      if (!released.empty()) body["shm_released"] = Value(released);
-    }
-    transport::send_message(socket_, Message{t, id, std::move(body)}, nullptr, channel_.get());
-  }
-  transport::ChannelOf channel_of() {
-    return [this](const std::string&) { return channel_.get(); };
+    link_->send(Message{t, id, std::move(body)});
   }
 
   void create(const Message& m) {
@@ -363,7 +345,8 @@ class Worker {
     m.body.map_items().erase("args");
     twk_context_v1 ctx = context();
     SinkCapture out;
-    twk_sink_v1 sink = out.sink(/*to_shm=*/true);
+    out.adopt = [this](const twk_value_v1& v) { return link_->adopt(v); };
+    twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);
     // Shared-memory arguments the plugin did not keep are released now, so that the reply can
     // tell the driver it may reuse them.
@@ -376,7 +359,7 @@ class Worker {
   WorkerOptions options_;
   plugins::Plugin plugin_;
   zmq::context_t zmq_;
-  zmq::socket_t socket_;
+  std::unique_ptr<transport::WorkerLink> link_;
   twk_host_v1 host_{};
   std::string name_, group_, job_, device_;
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_world_ = 1;
@@ -384,7 +367,6 @@ class Worker {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
-  std::unique_ptr<transport::ShmChannel> channel_;
   std::string kv_endpoint_;
   std::string collectives_ = "auto";  // "auto" | "shm" | "gloo" for cpu groups
   std::chrono::milliseconds timeout_{600'000};
@@ -394,14 +376,24 @@ class Worker {
 
 }  // namespace
 
-int run_worker(const WorkerOptions& o) {
-  if (o.endpoint.starts_with("ipc://")) {
-    std::snprintf(g_socket_path, sizeof g_socket_path, "%s", o.endpoint.c_str() + 6);
+bool run_worker(const WorkerOptions& o) {
+  if (!o.run_dir.empty()) {
+    const std::string files[3] = {(o.run_dir / "ctl").string(), (o.run_dir / "kv").string(),
+                                  (o.run_dir / "driver").string()};
+    for (int i = 0; i < 3; ++i)
+      std::snprintf(g_run_files[i], sizeof g_run_files[i], "%s", files[i].c_str());
+    std::snprintf(g_run_dir, sizeof g_run_dir, "%s", o.run_dir.c_str());
   }
-  std::snprintf(g_run_dir, sizeof g_run_dir, "%s", o.run_dir.c_str());
   struct sigaction sa {};
   sa.sa_handler = &on_driver_death;
   sigaction(SIGHUP, &sa, nullptr);
+  // Die with the driver. The launcher starts workers with posix_spawn, which cannot ask for the
+  // parent-death signal, so the worker asks itself and then checks that the driver did not die
+  // before it asked.
+  if (const char* parent = std::getenv("TWINKLE_PARENT_PID")) {
+    prctl(PR_SET_PDEATHSIG, SIGHUP);
+    if (getppid() != static_cast<pid_t>(std::atoll(parent))) on_driver_death(SIGHUP);
+  }
 
   plugins::Plugin plugin = plugins::Plugin::load(o.plugin);
   Worker w(o, std::move(plugin));

@@ -1,0 +1,362 @@
+#include "core/runtime/call_table.hpp"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "core/job/dispatch.hpp"
+
+namespace twinkle::core {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using transport::ChannelEvent;
+using transport::Message;
+using transport::MsgType;
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+CallTable::CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
+                     std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s)
+    : channel_(channel),
+      groups_(std::move(groups)),
+      workers_(std::move(workers)),
+      custom_(std::move(custom)),
+      timeout_s_(timeout_s) {
+  for (const auto& g : groups_) mesh_abi_.push_back(std::make_unique<MeshAbi>(g.mesh));
+}
+
+std::optional<std::size_t> CallTable::find_group(std::string_view name) const {
+  for (std::size_t i = 0; i < groups_.size(); ++i) {
+    if (groups_[i].name == name) return i;
+  }
+  return std::nullopt;
+}
+
+std::string CallTable::worker_label(std::size_t group, int index) const {
+  const WorkerInfo& w = workers_[groups_[group].peers[static_cast<std::size_t>(index)]];
+  return fmt::format("group {} rank {} (host {}, pid {})", groups_[group].name, index,
+                     w.host.empty() ? "?" : w.host, w.pid);
+}
+
+std::string CallTable::lost_text(std::size_t peer, const std::string& reason) const {
+  const WorkerInfo& w = workers_[peer];
+  if (w.pid == 0) return fmt::format("worker {} {}", w.name, reason);
+  return fmt::format("worker {} (host {}, pid {}) {}", w.name, w.host, w.pid, reason);
+}
+
+void CallTable::on_lost(std::size_t peer, const std::string& reason) {
+  if (peer >= workers_.size() || expecting_exits_ || lost_) return;
+  LostWorker l;
+  l.peer = peer;
+  l.text = lost_text(peer, reason);
+  const WorkerInfo& w = workers_[peer];
+  for (const auto& [id, c] : calls_) {
+    if (c.released || c.group != w.group) continue;
+    const auto pos = std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin();
+    if (pos >= static_cast<long>(c.workers.size())) continue;
+    if (c.results[static_cast<std::size_t>(pos)] || c.errors.count(static_cast<std::size_t>(pos)))
+      continue;
+    l.calls.push_back(fmt::format("{} (driver caller: {})", c.what, c.caller));
+  }
+  lost_ = std::move(l);
+}
+
+void CallTable::on_event(ChannelEvent& e) {
+  if (e.kind == ChannelEvent::Kind::lost) return on_lost(e.peer, e.reason);
+  if (e.kind != ChannelEvent::Kind::message || e.peer >= workers_.size()) return;
+  WorkerInfo& w = workers_[e.peer];
+  Message& m = e.message;
+  switch (m.type) {
+    case MsgType::hello: {
+      if (!m.body.is_map() || !m.body.contains("pid") || !m.body.contains("host")) return;
+      w.pid = m.body["pid"].as<int>();
+      w.host = m.body["host"].as<std::string>();
+      w.ready = true;
+      break;
+    }
+    case MsgType::created: {
+      auto inst = instances_.find(m.id);
+      if (inst == instances_.end()) break;
+      std::optional<std::string> err;
+      if (!m.body["ok"].as<bool>()) err = m.body["error"].as<std::string>();
+      inst->second.acks[w.index] = err;
+      break;
+    }
+    case MsgType::reply: {
+      auto it = calls_.find(m.id);
+      if (it == calls_.end()) break;
+      Call& c = it->second;
+      const auto pos = static_cast<std::size_t>(
+          std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
+      if (c.group != w.group || pos >= c.workers.size() || c.results[pos] || c.errors.count(pos))
+        break;
+      if (m.body["ok"].as<bool>()) {
+        c.results[pos] = std::move(m.body["value"]);
+      } else {
+        c.errors[pos] = m.body["error"].as<std::string>();
+      }
+      ++c.answered;
+      if (c.released && c.answered == c.workers.size()) calls_.erase(it);
+      break;
+    }
+    default: break;
+  }
+}
+
+bool CallTable::pump(std::chrono::milliseconds timeout) {
+  auto e = channel_.next(timeout);
+  if (!e) return false;
+  try {
+    on_event(*e);
+  } catch (const ValueError&) {
+    // A message of the right type whose body is not what this twinkle sends: the channel
+    // decoded it, so it came from a worker of this run built from another source. Dropped.
+  }
+  return true;
+}
+
+void CallTable::drain() {
+  while (pump(std::chrono::milliseconds(0))) {
+  }
+}
+
+void CallTable::cancel(std::string reason) {
+  std::lock_guard lock(cancel_mu_);
+  if (!cancelled_) cancelled_ = std::move(reason);
+}
+
+std::optional<std::string> CallTable::cancelled() const {
+  std::lock_guard lock(cancel_mu_);
+  return cancelled_;
+}
+
+void CallTable::check_failed(const std::string& what) const {
+  if (auto c = cancelled()) throw CallError(fmt::format("{}: {}", what, *c));
+  if (lost_) throw CallError(fmt::format("{} failed: {}", what, lost_->text));
+}
+
+void CallTable::start(std::chrono::milliseconds timeout,
+                      const std::function<Value(const WorkerInfo&)>& welcome) {
+  const auto deadline = Clock::now() + timeout;
+  auto ready = [&] {
+    return std::all_of(workers_.begin(), workers_.end(), [](const auto& w) { return w.ready; });
+  };
+  while (!ready()) {
+    if (auto c = cancelled()) throw CallError(*c);
+    if (lost_) throw CallError(fmt::format("{} before it was ready", lost_->text));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      std::vector<std::string> missing;
+      for (const auto& w : workers_) {
+        if (!w.ready) missing.push_back(w.name);
+      }
+      throw CallError(fmt::format("workers {} did not start within {} s", join(missing),
+                                  timeout.count() / 1000));
+    }
+    pump(left);
+  }
+  for (std::size_t i = 0; i < workers_.size(); ++i)
+    channel_.send(i, Message{MsgType::welcome, 0, welcome(workers_[i])});
+}
+
+std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, const Value& args) {
+  const GroupInfo& g = groups_.at(gi);
+  const std::string what = fmt::format("{} constructor on group {}", cls.name, g.name);
+  check_failed(what);
+  const std::uint64_t id = ++next_id_;
+  Instance& inst = instances_[id];
+  inst.cls = &cls;
+  inst.group = gi;
+  for (std::size_t peer : g.peers)
+    channel_.send(peer,
+                  Message{MsgType::create, id, Value::map({{"class", cls.name}, {"args", args}})});
+  const auto deadline = deadline_after(timeout_s_);
+  while (inst.acks.size() < g.peers.size()) {
+    check_failed(what);
+    if (Clock::now() > deadline) {
+      std::vector<std::string> missing;
+      for (std::size_t i = 0; i < g.peers.size(); ++i) {
+        if (!inst.acks.count(static_cast<int>(i))) missing.push_back(std::to_string(i));
+      }
+      throw CallError(
+          fmt::format("{} timed out after {:g} s: ranks [{}] did not answer; raise "
+                      "job.timeout_s",
+                      what, timeout_s_, join(missing)));
+    }
+    pump(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) +
+         std::chrono::milliseconds(1));
+  }
+  for (const auto& [index, e] : inst.acks) {
+    if (e) {
+      throw CallError(
+          fmt::format("{} constructor failed on {}: {}", cls.name, worker_label(gi, index), *e));
+    }
+  }
+  return id;
+}
+
+std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_name,
+                              const Value& args, const std::string& caller) {
+  auto inst = instances_.find(instance);
+  if (inst == instances_.end()) throw CallError("unknown instance handle");
+  const plugins::ClassInfo& cls = *inst->second.cls;
+  const plugins::MethodInfo* m = cls.find_method(method_name);
+  if (!m) {
+    std::vector<std::string> names;
+    for (const auto& mm : cls.methods) names.push_back(mm.name);
+    throw CallError(
+        fmt::format("no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD",
+                    method_name, cls.name, names.empty() ? "none" : join(names)));
+  }
+  const std::string what = fmt::format("{}.{}", cls.name, m->name);
+  check_failed(what);
+  const std::size_t gi = inst->second.group;
+  const GroupInfo& g = groups_[gi];
+
+  Call c;
+  c.what = what;
+  c.caller = caller;
+  c.group = gi;
+  c.method = m;
+  c.workers = executing_workers(m->execute, g.mesh);
+  std::vector<Value> per_worker;
+  if (m->execute == Execute::first) {
+    per_worker.assign(c.workers.size(), args);
+  } else if (m->dispatch == Dispatch::custom) {
+    twk_dispatch_fn fn = custom_.dispatcher ? custom_.dispatcher(m->custom_dispatch) : nullptr;
+    if (!fn) throw CallError(fmt::format("{}: no custom dispatch {}", what, m->custom_dispatch));
+    EncodedValue ea = encode(args);
+    for (std::size_t i = 0; i < c.workers.size(); ++i) {
+      SinkCapture got;
+      got.adopt = [this](const twk_value_v1& v) { return channel_.adopt(v); };
+      twk_sink_v1 sink = got.sink();
+      if (fn(static_cast<std::int32_t>(c.workers.size()), static_cast<std::int32_t>(i),
+             mesh_abi_[gi]->view(), ea.view(), &sink) != TWK_OK ||
+          !got.value) {
+        throw CallError(fmt::format("{}: custom dispatch {} failed for worker {}: {}", what,
+                                    m->custom_dispatch, i, got.error.value_or("no value")));
+      }
+      per_worker.push_back(std::move(*got.value));
+    }
+  } else {
+    per_worker = dispatch_args(m->dispatch, args, g.mesh, c.workers, what);
+  }
+  c.results.resize(c.workers.size());
+  c.timeout_s = m->timeout_s > 0 ? m->timeout_s : timeout_s_;
+  c.deadline = deadline_after(c.timeout_s);
+  const std::uint64_t id = ++next_id_;
+  for (std::size_t i = 0; i < c.workers.size(); ++i) {
+    channel_.send(g.peers[static_cast<std::size_t>(c.workers[i])],
+                  Message{MsgType::call, id,
+                          Value::map({{"instance", instance},
+                                      {"method", m->name},
+                                      {"args", std::move(per_worker[i])}})});
+  }
+  calls_.emplace(id, std::move(c));
+  return id;
+}
+
+Value CallTable::wait(std::uint64_t future) {
+  auto it = calls_.find(future);
+  if (it == calls_.end()) throw CallError("unknown or already collected call");
+  const std::string prefix =
+      fmt::format("[twinkle driver caller: {}] {}", it->second.caller, it->second.what);
+  while (it->second.answered < it->second.workers.size()) {
+    Call& c = it->second;
+    const auto cancelled = this->cancelled();
+    if (cancelled || lost_) {
+      const std::string msg = cancelled ? fmt::format("{}: {}", prefix, *cancelled)
+                                        : fmt::format("{} failed: {}", prefix, lost_->text);
+      calls_.erase(it);
+      throw CallError(msg);
+    }
+    if (Clock::now() > c.deadline) {
+      std::vector<std::string> missing;
+      for (std::size_t i = 0; i < c.workers.size(); ++i) {
+        if (!c.results[i] && !c.errors.count(i)) missing.push_back(std::to_string(c.workers[i]));
+      }
+      c.released = true;  // late answers are dropped
+      throw CallError(fmt::format(
+          "{} timed out after {:g} s: ranks [{}] of group {} did not answer; raise the method's "
+          "timeout (twinkle::timeout in TWINKLE_METHOD) or job.timeout_s",
+          prefix, c.timeout_s, join(missing), groups_[c.group].name));
+    }
+    pump(std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - Clock::now()) +
+         std::chrono::milliseconds(1));
+    it = calls_.find(future);
+    if (it == calls_.end()) throw CallError(prefix + ": the call was dropped");
+  }
+  Call c = std::move(it->second);
+  calls_.erase(it);
+  if (!c.errors.empty()) {
+    const auto& [pos, e] = *c.errors.begin();
+    std::string msg =
+        fmt::format("{} failed on {}: {}", prefix, worker_label(c.group, c.workers[pos]), e);
+    if (c.errors.size() > 1) {
+      std::vector<std::string> others;
+      for (const auto& [p, _] : c.errors) {
+        if (p != pos) others.push_back(std::to_string(c.workers[p]));
+      }
+      msg += fmt::format(" (ranks {} failed too)", join(others));
+    }
+    throw CallError(msg);
+  }
+  return collect(c, prefix);
+}
+
+Value CallTable::collect(Call& c, const std::string& prefix) {
+  std::vector<Value> results;
+  results.reserve(c.results.size());
+  for (auto& r : c.results) results.push_back(std::move(*r));
+  if (c.method->collect != Collect::custom) {
+    try {
+      return collect_results(c.method->collect, std::move(results), groups_[c.group].mesh,
+                             c.workers, c.what);
+    } catch (const std::exception& e) {
+      throw CallError(fmt::format("{}: {}", prefix, e.what()));
+    }
+  }
+  twk_collect_fn fn = custom_.collector ? custom_.collector(c.method->custom_collect) : nullptr;
+  if (!fn)
+    throw CallError(fmt::format("{}: no custom collect {}", prefix, c.method->custom_collect));
+  std::vector<EncodedValue> enc;
+  for (const auto& r : results) enc.push_back(encode(r));
+  std::vector<twk_value_v1> views;
+  for (auto& e : enc) views.push_back(*e.view());
+  SinkCapture got;
+  twk_sink_v1 sink = got.sink();
+  if (fn(views.data(), static_cast<std::uint32_t>(views.size()), mesh_abi_[c.group]->view(),
+         &sink) != TWK_OK ||
+      !got.value) {
+    throw CallError(fmt::format("{}: custom collect {} failed: {}", prefix,
+                                c.method->custom_collect, got.error.value_or("no value")));
+  }
+  return std::move(*got.value);
+}
+
+void CallTable::release(std::uint64_t future) {
+  auto it = calls_.find(future);
+  if (it == calls_.end()) return;
+  if (it->second.answered == it->second.workers.size()) {
+    calls_.erase(it);
+  } else {
+    it->second.released = true;
+  }
+}
+
+}  // namespace twinkle::core

@@ -1,0 +1,146 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/job/mesh.hpp"
+#include "core/runtime/host_abi.hpp"
+#include "plugins/loader.hpp"
+#include "transports/zmq/channel.hpp"
+#include "twinkle/errors.hpp"
+#include "twinkle/value.hpp"
+
+namespace twinkle::core {
+
+// A call, a constructor or the start-up failed; the message says where and why.
+class CallError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A worker as the call table knows it: fixed by the placement, completed by its hello.
+struct WorkerInfo {
+  std::string name;  // "model:3"
+  std::size_t group = 0;
+  int index = 0;  // in its group
+  int pid = 0;    // from its hello
+  std::string host;
+  bool ready = false;
+};
+
+// A group as the call table knows it.
+struct GroupInfo {
+  std::string name;
+  DeviceMesh mesh = DeviceMesh::data_parallel(1);
+  std::vector<std::size_t> peers;  // the channel peer of each worker index
+};
+
+// The plugin's custom dispatch and collect functions by name (nullptr when there is none).
+struct CustomFunctions {
+  std::function<twk_dispatch_fn(std::string_view)> dispatcher;
+  std::function<twk_collect_fn(std::string_view)> collector;
+};
+
+// The first worker the run lost while it still needed it.
+struct LostWorker {
+  std::size_t peer = 0;
+  std::string text;                // "worker model:1 (host h, pid 42) exited with code 3; ..."
+  std::vector<std::string> calls;  // its outstanding calls: "Model.step (driver caller: t.cpp:9)"
+};
+
+// The driver's instances and outstanding calls over a worker channel (DESIGN.md sections 5, 7):
+// it dispatches arguments, sends, collects results, and fails what a lost or late worker cannot
+// answer. A lost worker is an event from the channel; from then on every wait fails with it.
+// Used from one thread; blocking calls pump the channel while they wait.
+class CallTable {
+ public:
+  CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
+            std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s);
+
+  // Waits for every worker's hello, up to `timeout`, then sends each its welcome(worker).
+  // Throws CallError naming the workers that were lost or never said hello.
+  void start(std::chrono::milliseconds timeout,
+             const std::function<Value(const WorkerInfo&)>& welcome);
+
+  // Constructs `cls` on every worker of `group` and waits for all. Returns the instance handle.
+  std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const Value& args);
+  // Dispatches and sends a call; returns its future at once. `caller` is "file.cpp:42".
+  std::uint64_t call(std::uint64_t instance, std::string_view method, const Value& args,
+                     const std::string& caller);
+  // Waits for a call and collects its results.
+  Value wait(std::uint64_t future);
+  // The driver no longer wants the result; late answers are dropped.
+  void release(std::uint64_t future);
+
+  // Handles the channel's next event, waiting up to `timeout` for it; false when none came.
+  bool pump(std::chrono::milliseconds timeout);
+  // Handles every event that is already there.
+  void drain();
+
+  // Every wait fails with `reason` from now on (the run was interrupted). Thread-safe: the
+  // caller then wakes the channel so that a waiting call notices.
+  void cancel(std::string reason);
+  // Lost workers are no longer failures (orderly shutdown).
+  void expect_exits() { expecting_exits_ = true; }
+
+  const std::optional<LostWorker>& lost() const { return lost_; }
+  const std::vector<WorkerInfo>& workers() const { return workers_; }
+  const std::vector<GroupInfo>& groups() const { return groups_; }
+  std::optional<std::size_t> find_group(std::string_view name) const;
+  // "group model rank 1 (host h, pid 42)"
+  std::string worker_label(std::size_t group, int index) const;
+  // How many calls are waiting for answers.
+  std::size_t outstanding() const { return calls_.size(); }
+
+ private:
+  struct Instance {
+    const plugins::ClassInfo* cls = nullptr;
+    std::size_t group = 0;
+    std::map<int, std::optional<std::string>> acks;  // worker index -> error (nullopt: ok)
+  };
+  struct Call {
+    std::string what;    // "Model.train_step"
+    std::string caller;  // "train.cpp:42"
+    std::size_t group = 0;
+    const plugins::MethodInfo* method = nullptr;
+    std::vector<int> workers;
+    std::vector<std::optional<Value>> results;
+    std::map<std::size_t, std::string> errors;  // position -> message
+    std::size_t answered = 0;
+    double timeout_s = 0;
+    std::chrono::steady_clock::time_point deadline;
+    bool released = false;
+  };
+
+  void on_event(transport::ChannelEvent& e);
+  void on_lost(std::size_t peer, const std::string& reason);
+  void check_failed(const std::string& what) const;
+  std::string lost_text(std::size_t peer, const std::string& reason) const;
+  Value collect(Call& c, const std::string& prefix);
+
+  transport::DriverChannel& channel_;
+  std::vector<GroupInfo> groups_;
+  std::vector<WorkerInfo> workers_;                 // by channel peer
+  std::vector<std::unique_ptr<MeshAbi>> mesh_abi_;  // by group, for custom functions
+  CustomFunctions custom_;
+  double timeout_s_;
+  std::map<std::uint64_t, Instance> instances_;
+  std::map<std::uint64_t, Call> calls_;
+  std::uint64_t next_id_ = 0;
+  std::optional<LostWorker> lost_;
+  std::optional<std::string> cancelled() const;
+
+  mutable std::mutex cancel_mu_;
+  std::optional<std::string> cancelled_;  // guarded by cancel_mu_
+  bool expecting_exits_ = false;
+};
+
+}  // namespace twinkle::core

@@ -1,0 +1,399 @@
+#include "core/runtime/driver.hpp"
+
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+#include <zmq.hpp>
+
+#include "core/job/placement.hpp"
+#include "core/job/topology.hpp"
+#include "core/job/values.hpp"
+#include "core/runtime/call_table.hpp"
+#include "core/runtime/failure_report.hpp"
+#include "core/runtime/host_abi.hpp"
+#include "core/runtime/launcher.hpp"
+#include "core/runtime/notify.hpp"
+#include "core/runtime/run_dir.hpp"
+#include "core/runtime/worker_env.hpp"
+#include "plugins/loader.hpp"
+#include "transports/fd.hpp"
+#include "transports/zmq/channel.hpp"
+#include "transports/zmq/kv.hpp"
+#include "twinkle/errors.hpp"
+
+extern char** environ;
+
+namespace twinkle::core {
+
+namespace {
+
+using transport::Message;
+using transport::MsgType;
+
+// How long workers have to say hello, and to exit after an orderly shutdown.
+constexpr auto kStartTimeout = std::chrono::seconds(60);
+constexpr auto kShutdownGrace = std::chrono::seconds(2);
+// How long an interrupted driver entry has to return before the driver stops waiting for it.
+constexpr auto kInterruptGrace = std::chrono::seconds(2);
+
+std::string make_run_id() {
+  std::random_device rd;
+  return fmt::format("{:08x}", rd());
+}
+
+// A free TCP port on loopback for each group's MASTER_PORT; the sockets stay open until all are
+// chosen so that the ports are distinct.
+std::vector<int> free_ports(std::size_t n) {
+  std::vector<transport::Fd> fds;
+  std::vector<int> ports;
+  for (std::size_t i = 0; i < n; ++i) {
+    transport::Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (!fd || ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      throw Error("cannot find a free port on 127.0.0.1 for MASTER_PORT");
+    }
+    ports.push_back(ntohs(a.sin_port));
+    fds.push_back(std::move(fd));
+  }
+  return ports;
+}
+
+std::filesystem::path self_exe() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw Error("cannot find the twinkle binary (/proc/self/exe) to start workers");
+  return p;
+}
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGHUP: return "SIGHUP";
+  }
+  return "a signal";
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+class JobRun : public DriverOps {
+ public:
+  explicit JobRun(const RunOptions& o) : options_(o) {}
+  // The stop signals stay blocked: a second Ctrl-C while `twinkle` exits must not turn a clean
+  // exit code into a death by signal.
+  ~JobRun() override { stop_signal_thread(); }
+
+  RunResult run() {
+    // Before any thread exists (ZeroMQ's, the spawner's), so that every thread blocks them and
+    // only the signal thread takes them: a signal delivered to another thread would run the
+    // default action, or vanish where the shell ignores SIGINT for background jobs.
+    block_stop_signals();
+    job_ = load_job(options_.job_file, options_.overrides);
+    if (job_.mode == Mode::remote) {
+      throw ConfigError(
+          fmt::format("{}: mode = \"remote\" needs a cluster, which this twinkle cannot run yet; "
+                      "use mode = \"local\"",
+                      job_.file.string()));
+    }
+    collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
+    const NodeResources local = discover_local(options_.gpus);
+    placement_ = place(job_, local);
+    std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
+    std::fflush(stdout);
+
+    plugin_.emplace(plugins::Plugin::load(job_.plugin_path));
+    driver_fn_ = plugin_->find_driver(job_.driver);
+    if (!driver_fn_) {
+      std::vector<std::string> names;
+      for (const auto& d : plugin_->drivers()) names.push_back(d.name);
+      throw PluginError(fmt::format(
+          "{}: plugin has no driver entry \"{}\" (it has: {}); declare TWINKLE_DRIVER({}, "
+          "twinkle::Driver& d) or set job.driver",
+          job_.plugin_path.string(), job_.driver, names.empty() ? "none" : join(names),
+          job_.driver));
+    }
+
+    prepare();
+    start_signal_thread();
+    try {
+      launcher_->start(launches_);
+      table_->start(kStartTimeout, [this](const WorkerInfo& w) { return welcome(w); });
+    } catch (const Error& e) {
+      return finish(false, e.what());
+    }
+
+    twk_host_v1 host = driver_host_table();
+    EncodedValue args = encode(job_.args);
+    twk_context_v1 ctx{};
+    ctx.size = sizeof ctx;
+    ctx.rank = -1;
+    ctx.world_size = static_cast<std::int32_t>(table_->workers().size());
+    ctx.job = job_.name.c_str();
+    ctx.group = "";
+    ctx.device = "";
+    ctx.args = args.view();
+    ctx.host_ctx = static_cast<DriverOps*>(this);
+    const std::string job_dir = std::filesystem::absolute(job_.file).parent_path().string();
+    ctx.job_dir = job_dir.c_str();
+    SinkCapture result;
+    twk_sink_v1 sink = result.sink();
+    const bool ok = driver_fn_(&host, &ctx, &sink) == TWK_OK;
+    driver_returned();
+    return finish(ok, result.error.value_or(ok ? "" : "the driver entry failed"));
+  }
+
+  // ----- DriverOps: what the plugin's driver entry calls ------------------------------------
+
+  void log(std::int32_t level, std::string_view message) override {
+    std::FILE* out = level >= TWK_LOG_WARN ? stderr : stdout;
+    std::fprintf(out, "%.*s\n", static_cast<int>(message.size()), message.data());
+    std::fflush(out);
+  }
+
+  std::uint64_t create(std::string_view cls_name, std::string_view group,
+                       const twk_value_v1& args) override {
+    const plugins::ClassInfo* cls = plugin_->find_class(cls_name);
+    if (!cls) {
+      std::vector<std::string> names;
+      for (const auto& c : plugin_->classes()) names.push_back(c.name);
+      throw CallError(fmt::format(
+          "create: the plugin has no class {} (it has: {}); declare it with TWINKLE_CLASS",
+          cls_name, names.empty() ? "none" : join(names)));
+    }
+    const auto gi = table_->find_group(group);
+    if (!gi) {
+      std::vector<std::string> names;
+      for (const auto& g : table_->groups()) names.push_back(g.name);
+      throw CallError(fmt::format("create {}: the job has no group \"{}\" (it has: {}); see {}",
+                                  cls_name, group, join(names), job_.file.string()));
+    }
+    return table_->create(*cls, *gi, decode(args));
+  }
+
+  std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
+                     const std::string& caller) override {
+    return table_->call(instance, method, channel_->adopt(args), caller);
+  }
+
+  Value wait(std::uint64_t future) override { return table_->wait(future); }
+  void release(std::uint64_t future) noexcept override { table_->release(future); }
+
+ private:
+  // ----- start-up ---------------------------------------------------------------------------
+
+  // Everything a run needs before its workers start: the run folder, the channel, the rendezvous
+  // store, the call table, the launcher and each worker's environment.
+  void prepare() {
+    run_id_ = make_run_id();
+    run_dir_ = std::make_unique<RunDir>(run_id_);
+
+    std::vector<std::string> identities;
+    std::vector<GroupInfo> groups;
+    std::vector<WorkerInfo> workers;
+    for (std::size_t gi = 0; gi < placement_.groups.size(); ++gi) {
+      const auto& gp = placement_.groups[gi];
+      GroupInfo g;
+      g.name = gp.group->name;
+      g.mesh = gp.group->mesh;
+      for (const auto& w : gp.workers) {
+        WorkerInfo info;
+        info.name = fmt::format("{}:{}", gp.group->name, w.index);
+        info.group = gi;
+        info.index = w.index;
+        g.peers.push_back(workers.size());
+        identities.push_back(info.name);
+        workers.push_back(std::move(info));
+      }
+      groups.push_back(std::move(g));
+    }
+    channel_ =
+        std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"), identities);
+    kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
+    CustomFunctions custom{[this](std::string_view n) { return plugin_->find_dispatcher(n); },
+                           [this](std::string_view n) { return plugin_->find_collector(n); }};
+    table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
+                                         std::move(custom), job_.timeout_s);
+
+    LocalLaunchOptions lo;
+    lo.exe = self_exe();
+    lo.plugin = job_.plugin_path;
+    lo.run_dir = run_dir_->path();
+    lo.log_dir = options_.log_dir;
+    lo.quiet = options_.quiet;
+    launcher_ = std::make_unique<LocalLauncher>(lo, *channel_);
+
+    std::vector<std::string> base;
+    for (char** e = environ; *e; ++e) base.emplace_back(*e);
+    const std::vector<int> ports = free_ports(placement_.groups.size());
+    const RunInfo run{run_id_, job_.mode, job_.seed};
+    for (std::size_t gi = 0; gi < placement_.groups.size(); ++gi) {
+      const auto& gp = placement_.groups[gi];
+      for (std::size_t wi = 0; wi < gp.workers.size(); ++wi) {
+        launches_.push_back(
+            {fmt::format("{}:{}", gp.group->name, gp.workers[wi].index),
+             worker_env(base, placement_, gi, wi, Rendezvous{"127.0.0.1", ports[gi]}, run)});
+      }
+    }
+  }
+
+  Value welcome(const WorkerInfo& w) const {
+    const GroupSpec& g = job_.groups.at(w.group);
+    return Value::map({{"job", job_.name},
+                       {"args", job_.args},
+                       {"mesh", mesh_to_value(g.mesh)},
+                       {"device", std::string(to_string(g.device))},
+                       {"kv", kv_->endpoint()},
+                       {"collectives", collectives_},
+                       {"timeout_s", job_.timeout_s}});
+  }
+
+  // ----- signals ----------------------------------------------------------------------------
+
+  // SIGINT, SIGTERM and SIGHUP go to one thread. It stops the workers at once and cancels the
+  // call table, so that the driver entry's waits fail and it returns through the normal path.
+  // Only a driver entry stuck in its own code for kInterruptGrace is left behind: then the
+  // thread cleans up what it can and exits (the last resort).
+  static sigset_t stop_signals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+    return set;
+  }
+
+  void block_stop_signals() {
+    const sigset_t set = stop_signals();
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  }
+
+  void start_signal_thread() {
+    signal_thread_ = std::thread([this, set = stop_signals()] {
+      timespec tick{0, 50'000'000};
+      while (!stop_signals_) {
+        const int sig = sigtimedwait(&set, nullptr, &tick);
+        if (sig <= 0) continue;
+        if (signal_.exchange(sig) != 0) continue;  // the first signal decides
+        launcher_->expect_exits();
+        launcher_->kill_now();
+        table_->cancel(fmt::format("interrupted by {}", signal_name(sig)));
+        channel_->wake();
+        std::unique_lock lock(returned_mu_);
+        if (returned_cv_.wait_for(lock, kInterruptGrace, [this] { return returned_; })) continue;
+        std::fflush(stdout);
+        std::fprintf(stderr,
+                     "\ntwinkle: interrupted by %s; the driver entry did not return within %lld s, "
+                     "stopped all workers\n",
+                     signal_name(sig), static_cast<long long>(kInterruptGrace.count()));
+        std::fflush(stderr);
+        launcher_->kill_now();
+        run_dir_.reset();
+        ::_exit(128 + sig);  // the last resort: the driver thread is in plugin code
+      }
+    });
+  }
+
+  void driver_returned() {
+    std::lock_guard lock(returned_mu_);
+    returned_ = true;
+    returned_cv_.notify_all();
+  }
+
+  void stop_signal_thread() {
+    if (!signal_thread_.joinable()) return;
+    driver_returned();
+    stop_signals_ = true;
+    signal_thread_.join();
+  }
+
+  // ----- the end ----------------------------------------------------------------------------
+
+  RunResult finish(bool ok, const std::string& error) {
+    driver_returned();
+    if (const int sig = signal_.load()) {
+      launcher_->stop(std::chrono::milliseconds(0));
+      std::fflush(stdout);
+      std::fprintf(stderr, "\ntwinkle: interrupted by %s; stopped all workers\n", signal_name(sig));
+      return {RunResult::Outcome::interrupted, sig};
+    }
+    // A worker lost while the driver entry was finishing still fails the run.
+    if (table_) table_->drain();
+    if (ok && table_ && !table_->lost()) {
+      table_->expect_exits();
+      launcher_->expect_exits();
+      for (std::size_t i = 0; i < table_->workers().size(); ++i) {
+        try {
+          channel_->send(i, Message{MsgType::shutdown, 0, Value()});
+        } catch (const TransportError&) {
+          // Already gone: the launcher reaps it.
+        }
+      }
+      const auto stopped = launcher_->stop(kShutdownGrace);
+      if (!stopped.empty()) {
+        std::fprintf(stderr,
+                     "twinkle: worker(s) %s did not exit within %lld s of the shutdown (stopped "
+                     "or stuck); killed them\n",
+                     join(stopped).c_str(), static_cast<long long>(kShutdownGrace.count()));
+      }
+      return {RunResult::Outcome::ok, 0};
+    }
+    FailureFacts facts{job_.name, run_id_, table_ ? table_->lost() : std::nullopt, error};
+    if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
+    std::fflush(stdout);
+    std::fputs(failure_summary(facts).c_str(), stderr);
+    std::fflush(stderr);
+    if (job_.notify) notify_failure(*job_.notify, job_.name, run_id_, root_cause(facts));
+    return {RunResult::Outcome::failed, 0};
+  }
+
+  RunOptions options_;
+  Job job_;
+  std::string collectives_;  // the cpu groups' backend, TWINKLE_COLLECTIVES applied
+  Placement placement_;
+  std::optional<plugins::Plugin> plugin_;
+  twk_driver_fn driver_fn_ = nullptr;
+  std::string run_id_;
+  std::vector<WorkerLaunch> launches_;
+  // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
+  std::unique_ptr<RunDir> run_dir_;
+  zmq::context_t zmq_;
+  std::unique_ptr<transport::LocalDriverChannel> channel_;
+  std::unique_ptr<transport::KvServer> kv_;
+  std::unique_ptr<CallTable> table_;
+  std::unique_ptr<LocalLauncher> launcher_;
+  std::thread signal_thread_;
+  std::atomic<bool> stop_signals_{false};
+  std::atomic<int> signal_{0};
+  std::mutex returned_mu_;
+  std::condition_variable returned_cv_;
+  bool returned_ = false;
+};
+
+}  // namespace
+
+RunResult run_job(const RunOptions& options) {
+  JobRun run(options);
+  return run.run();
+}
+
+}  // namespace twinkle::core

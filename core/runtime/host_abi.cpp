@@ -1,0 +1,95 @@
+#include "core/runtime/host_abi.hpp"
+
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+namespace twinkle::core {
+
+twk_sink_v1 SinkCapture::sink() {
+  return {this,
+          [](void* t, const twk_value_v1* v) {
+            auto* self = static_cast<SinkCapture*>(t);
+            self->value = self->adopt ? self->adopt(*v) : decode(*v);
+          },
+          [](void* t, const char* m) { static_cast<SinkCapture*>(t)->error = m ? m : ""; }};
+}
+
+MeshAbi::MeshAbi(const DeviceMesh& mesh) {
+  for (const auto& d : mesh.dims()) {
+    names_.push_back(d.name);
+    sizes_.push_back(d.size);
+  }
+  for (const auto& n : names_) name_ptrs_.push_back(n.c_str());
+  for (int r = 0; r < mesh.world_size(); ++r) {
+    for (int c : mesh.coords(r)) coords_.push_back(c);
+    data_ranks_.push_back(mesh.data_rank(r));
+  }
+  view_ = twk_mesh_v1{sizeof(twk_mesh_v1), static_cast<std::uint32_t>(names_.size()),
+                      name_ptrs_.data(),   sizes_.data(),
+                      mesh.ep(),           mesh.world_size(),
+                      mesh.data_world(),   coords_.data(),
+                      data_ranks_.data()};
+}
+
+namespace {
+
+std::int32_t fail(twk_sink_v1* sink, const char* message) {
+  if (sink && sink->set_error) sink->set_error(sink->target, message);
+  return TWK_ERROR;
+}
+
+// Runs `f`, turning an exception into TWK_ERROR with its message.
+template <class F>
+std::int32_t guarded(twk_sink_v1* sink, F&& f) {
+  try {
+    f();
+    return TWK_OK;
+  } catch (const std::exception& e) {
+    return fail(sink, e.what());
+  } catch (...) {
+    return fail(sink, "unknown error");
+  }
+}
+
+DriverOps& ops(void* c) { return *static_cast<DriverOps*>(c); }
+
+}  // namespace
+
+twk_host_v1 driver_host_table() {
+  twk_host_v1 h{};
+  h.size = sizeof h;
+  h.abi_version = TWK_ABI_VERSION;
+  h.log = [](void* c, std::int32_t level, const char* m) {
+    try {
+      ops(c).log(level, m ? m : "");
+    } catch (...) {
+      // Logging never fails the plugin.
+    }
+  };
+  h.create = [](void* c, const char* cls, const char* group, const twk_value_v1* args,
+                std::uint64_t* handle, twk_sink_v1* err) {
+    return guarded(err,
+                   [&] { *handle = ops(c).create(cls ? cls : "", group ? group : "", *args); });
+  };
+  h.call = [](void* c, std::uint64_t instance, const char* method, const twk_value_v1* args,
+              const char* file, std::uint32_t line, std::uint64_t* future, twk_sink_v1* err) {
+    return guarded(err, [&] {
+      const std::string caller =
+          fmt::format("{}:{}", std::filesystem::path(file ? file : "?").filename().string(), line);
+      *future = ops(c).call(instance, method ? method : "", *args, caller);
+    });
+  };
+  h.wait = [](void* c, std::uint64_t future, twk_sink_v1* out) {
+    return guarded(out, [&] {
+      EncodedValue e = encode(ops(c).wait(future));
+      if (out && out->set_value) out->set_value(out->target, e.view());
+    });
+  };
+  h.release = [](void* c, std::uint64_t future) { ops(c).release(future); };
+  return h;
+}
+
+}  // namespace twinkle::core

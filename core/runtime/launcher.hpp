@@ -1,0 +1,73 @@
+#pragma once
+
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/runtime/spawner.hpp"
+#include "transports/zmq/channel.hpp"
+
+namespace twinkle::core {
+
+// One worker to start: channel peer i is entry i of start()'s list.
+struct WorkerLaunch {
+  std::string name;              // "model:3"
+  std::vector<std::string> env;  // its whole environment (worker_env)
+};
+
+// Starts the workers of a run wherever they run and reports each one it loses to the driver's
+// channel (DriverChannel::lost). The local launcher starts processes on this machine; remote mode
+// starts them through node agents. The driver never knows which one it has.
+class Launcher {
+ public:
+  virtual ~Launcher() = default;
+  // Starts every worker. Throws twinkle::Error when one cannot be started.
+  virtual void start(const std::vector<WorkerLaunch>& workers) = 0;
+  // Exits are expected from now on (orderly shutdown): they are not losses.
+  virtual void expect_exits() = 0;
+  // Waits up to `grace` for every worker to exit by itself, then stops the rest. Returns the
+  // names of the workers it had to stop. Idempotent.
+  virtual std::vector<std::string> stop(std::chrono::milliseconds grace) = 0;
+  // Async-signal-safe: kills every worker now.
+  virtual void kill_now() const noexcept = 0;
+};
+
+struct LocalLaunchOptions {
+  std::filesystem::path exe;                     // the twinkle binary
+  std::filesystem::path plugin;                  // what workers load
+  std::filesystem::path run_dir;                 // removed by workers if the driver dies
+  std::optional<std::filesystem::path> log_dir;  // one log file per worker
+  bool quiet = false;                            // worker output off the terminal
+};
+
+// Local workers: `twinkle worker` processes of this machine (Spawner), connected through a
+// LocalDriverChannel, each with its descriptor channel as fd 3. The first worker that ends while
+// the run needs it is reported at once on stderr and to the channel, and the others are stopped.
+class LocalLauncher : public Launcher {
+ public:
+  LocalLauncher(LocalLaunchOptions options, transport::LocalDriverChannel& channel);
+  ~LocalLauncher() override;
+
+  void start(const std::vector<WorkerLaunch>& workers) override;
+  void expect_exits() override { expecting_exits_ = true; }
+  std::vector<std::string> stop(std::chrono::milliseconds grace) override;
+  void kill_now() const noexcept override { spawner_.signal_all(SIGKILL); }
+
+ private:
+  void on_exit(const ProcessExit& e);
+
+  LocalLaunchOptions options_;
+  transport::LocalDriverChannel& channel_;
+  std::vector<std::string> names_;  // by peer
+  std::atomic<bool> expecting_exits_{false};
+  std::atomic<bool> failed_{false};
+  Spawner spawner_;  // last: its monitor thread calls on_exit until it is destroyed
+};
+
+}  // namespace twinkle::core

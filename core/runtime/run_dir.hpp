@@ -1,0 +1,31 @@
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+namespace twinkle::core {
+
+// A run's private folder (mode 0700) for its sockets: $TMPDIR/twinkle-run.ID.XXXXXX, or /tmp when
+// TMPDIR is so long that a socket path inside would not fit a Unix socket address. It holds a file
+// naming the driver (pid and start time), so that a later run can tell a folder whose driver is
+// gone (killed before it could clean up) and remove it. Removed by the destructor.
+class RunDir {
+ public:
+  // Throws twinkle::Error naming the folder when it cannot be created.
+  explicit RunDir(const std::string& run_id);
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+  ~RunDir();
+
+  const std::filesystem::path& path() const { return path_; }
+  // A socket path inside the folder.
+  std::filesystem::path socket(const std::string& name) const { return path_ / name; }
+
+  // Removes the run folders in `parent` whose driver is no longer running; returns how many.
+  static int remove_stale(const std::filesystem::path& parent);
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace twinkle::core

@@ -1,0 +1,370 @@
+#include "core/runtime/spawner.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "twinkle/errors.hpp"
+
+namespace twinkle::core {
+
+std::string ProcessExit::describe() const {
+  if (signal) return fmt::format("was killed by signal {} ({})", signal, strsignal(signal));
+  return fmt::format("exited with code {}", exit_code);
+}
+
+struct Spawner::Proc {
+  std::string name;
+  pid_t pid = 0;
+  Fd out[2];  // stdout, stderr read ends
+  Fd pidfd;   // readable when the process has exited; empty where pidfds are missing
+  std::string partial[2];
+  std::deque<std::string> tail;
+  std::ofstream log;
+  bool running = false;
+};
+
+namespace {
+
+void write_all(int fd, const std::string& s) {
+  const char* p = s.data();
+  std::size_t left = s.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+
+int pidfd_open(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// posix_spawn's attribute and file-action objects, destroyed on every path.
+struct SpawnAttr {
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_t actions;
+  SpawnAttr() {
+    posix_spawnattr_init(&attr);
+    posix_spawn_file_actions_init(&actions);
+  }
+  ~SpawnAttr() {
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+  }
+};
+
+}  // namespace
+
+Spawner::Spawner(SpawnerOptions options, ExitHandler on_exit)
+    : options_(std::move(options)), on_exit_(std::move(on_exit)) {
+  if (options_.log_dir) {
+    std::error_code ec;
+    std::filesystem::create_directories(*options_.log_dir, ec);
+    if (ec || ::access(options_.log_dir->c_str(), W_OK) != 0) {
+      throw ConfigError(
+          fmt::format("--log-dir {}: cannot write there ({}); choose a writable folder",
+                      options_.log_dir->string(), ec ? ec.message() : std::strerror(errno)));
+    }
+  }
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_) throw Error(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+}
+
+Spawner::~Spawner() { stop(std::chrono::milliseconds(0), std::chrono::milliseconds(0)); }
+
+void Spawner::wake() const noexcept {
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+pid_t Spawner::spawn(ProcessSpec spec) {
+  auto proc = std::make_unique<Proc>();
+  proc->name = spec.name;
+  if (options_.log_dir) {
+    std::string file = spec.name;
+    std::replace(file.begin(), file.end(), ':', '-');
+    const auto path = *options_.log_dir / (file + ".log");
+    proc->log.open(path, std::ios::app);
+    if (!proc->log.is_open()) {
+      throw ConfigError(fmt::format("--log-dir: cannot write {} ({}); choose a writable folder",
+                                    path.string(), std::strerror(errno)));
+    }
+  }
+  FdPair out = FdPair::pipe(spec.name.c_str());
+  FdPair err = FdPair::pipe(spec.name.c_str());
+
+  std::vector<char*> argv, envp;
+  for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : spec.env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+
+  SpawnAttr sa;
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int s : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&defaults, s);
+  posix_spawnattr_setsigmask(&sa.attr, &none);
+  posix_spawnattr_setsigdefault(&sa.attr, &defaults);
+  posix_spawnattr_setpgroup(&sa.attr, pgid_.load());
+  posix_spawnattr_setflags(&sa.attr,
+                           POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
+  posix_spawn_file_actions_addopen(&sa.actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&sa.actions, out.second.get(), 1);
+  posix_spawn_file_actions_adddup2(&sa.actions, err.second.get(), 2);
+  // dup2 clears close-on-exec on the target: the child keeps exactly these.
+  for (auto& [fd, target] : spec.inherit)
+    posix_spawn_file_actions_adddup2(&sa.actions, fd.get(), target);
+
+  pid_t pid = 0;
+  int rc = posix_spawn(&pid, argv[0], &sa.actions, &sa.attr, argv.data(), envp.data());
+  if (rc == EPERM && pgid_.load() != 0) {
+    // The group's processes are all gone: start a new group.
+    posix_spawnattr_setpgroup(&sa.attr, 0);
+    pgid_ = 0;
+    rc = posix_spawn(&pid, argv[0], &sa.actions, &sa.attr, argv.data(), envp.data());
+  }
+  if (rc != 0) {
+    throw Error(
+        fmt::format("cannot start {} ({}): {}", spec.name, spec.argv.at(0), std::strerror(rc)));
+  }
+  if (pgid_.load() == 0) pgid_ = pid;
+  proc->pid = pid;
+  proc->running = true;
+  proc->pidfd.reset(pidfd_open(pid));
+  proc->out[0] = std::move(out.first);
+  proc->out[1] = std::move(err.first);
+  fcntl(proc->out[0].get(), F_SETFL, O_NONBLOCK);
+  fcntl(proc->out[1].get(), F_SETFL, O_NONBLOCK);
+  // out.second, err.second and the inherited descriptors close here: the child has its copies.
+  {
+    std::lock_guard lock(mu_);
+    procs_.push_back(std::move(proc));
+  }
+  if (!monitor_.joinable()) monitor_ = std::thread([this] { monitor(); });
+  wake();
+  return pid;
+}
+
+void Spawner::write_line(Proc& p, bool is_stderr, const std::string& line) {
+  if (is_stderr) {
+    p.tail.push_back(line);
+    if (p.tail.size() > options_.stderr_tail) p.tail.pop_front();
+  }
+  if (p.log.is_open()) p.log << line << '\n' << std::flush;
+  if (options_.quiet) return;
+  std::lock_guard lock(out_mu_);
+  write_all(is_stderr ? 2 : 1, fmt::format("[{}] {}\n", p.name, line));
+}
+
+// Reads what stream `s` of `p` has; false once it reached its end (and is closed).
+bool Spawner::relay(Proc& p, int s) {
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(p.out[s].get(), buf, sizeof buf);
+    if (n > 0) {
+      p.partial[s].append(buf, static_cast<std::size_t>(n));
+      std::size_t at;
+      while ((at = p.partial[s].find('\n')) != std::string::npos) {
+        write_line(p, s == 1, p.partial[s].substr(0, at));
+        p.partial[s].erase(0, at + 1);
+      }
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return true;
+    // End of stream: the process (and everything that inherited the pipe) closed it.
+    if (!p.partial[s].empty()) write_line(p, s == 1, p.partial[s]);
+    p.partial[s].clear();
+    p.out[s].reset();
+    return false;
+  }
+}
+
+void Spawner::finish(Proc& p, int status) {
+  // Relay what it wrote before it ended, so that the report has its last lines. A grandchild
+  // may hold the pipes open: take only what is there now.
+  for (int s = 0; s < 2; ++s) {
+    if (p.out[s]) relay(p, s);
+  }
+  ProcessExit e;
+  e.name = p.name;
+  e.pid = p.pid;
+  if (WIFSIGNALED(status)) {
+    e.signal = WTERMSIG(status);
+  } else {
+    e.exit_code = WEXITSTATUS(status);
+  }
+  e.last_stderr.assign(p.tail.begin(), p.tail.end());
+  {
+    std::lock_guard lock(mu_);
+    p.running = false;
+    p.pidfd.reset();
+  }
+  exit_cv_.notify_all();
+  if (on_exit_) on_exit_(e);
+}
+
+void Spawner::monitor() {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Proc*, int>> owners;  // stream 0/1, or 2 for the pidfd
+  for (;;) {
+    fds.clear();
+    owners.clear();
+    fds.push_back({wake_.get(), POLLIN, 0});
+    owners.emplace_back(nullptr, 0);
+    bool unwatched = false;  // a running process without a pidfd: poll waitpid
+    {
+      std::lock_guard lock(mu_);
+      for (auto& p : procs_) {
+        for (int s = 0; s < 2; ++s) {
+          if (p->out[s]) {
+            fds.push_back({p->out[s].get(), POLLIN, 0});
+            owners.emplace_back(p.get(), s);
+          }
+        }
+        if (p->running && p->pidfd) {
+          fds.push_back({p->pidfd.get(), POLLIN, 0});
+          owners.emplace_back(p.get(), 2);
+        }
+        unwatched |= p->running && !p->pidfd;
+      }
+    }
+    if (stopping_ && running() == 0) break;
+    if (::poll(fds.data(), fds.size(), unwatched ? 20 : -1) < 0 && errno != EINTR) break;
+    if (fds[0].revents & POLLIN) {
+      std::uint64_t n;
+      (void)!::read(wake_.get(), &n, sizeof n);
+    }
+    for (std::size_t i = 1; i < fds.size(); ++i) {
+      auto [p, s] = owners[i];
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (s < 2) {
+        if (p->out[s]) relay(*p, s);
+        continue;
+      }
+      int status = 0;
+      pid_t r;
+      while ((r = ::waitpid(p->pid, &status, WNOHANG)) < 0 && errno == EINTR) {
+      }
+      if (r == p->pid) finish(*p, status);
+    }
+    if (unwatched) {
+      std::vector<Proc*> todo;
+      {
+        std::lock_guard lock(mu_);
+        for (auto& p : procs_) {
+          if (p->running && !p->pidfd) todo.push_back(p.get());
+        }
+      }
+      for (Proc* p : todo) {
+        int status = 0;
+        if (::waitpid(p->pid, &status, WNOHANG) == p->pid) finish(*p, status);
+      }
+    }
+  }
+  // The last output of processes whose pipes are still open (without blocking on grandchildren).
+  std::lock_guard lock(mu_);
+  for (auto& p : procs_) {
+    for (int s = 0; s < 2; ++s) {
+      if (p->out[s]) relay(*p, s);
+    }
+  }
+}
+
+std::size_t Spawner::running() const {
+  std::lock_guard lock(mu_);
+  std::size_t n = 0;
+  for (const auto& p : procs_) n += p->running;
+  return n;
+}
+
+std::vector<pid_t> Spawner::pids() const {
+  std::lock_guard lock(mu_);
+  std::vector<pid_t> out;
+  for (const auto& p : procs_) out.push_back(p->pid);
+  return out;
+}
+
+void Spawner::signal_all(int sig) const noexcept {
+  if (const pid_t g = pgid_.load(); g > 0) ::kill(-g, sig);
+}
+
+void Spawner::kill_and_reap() noexcept {
+  signal_all(SIGKILL);
+  std::vector<pid_t> running;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& p : procs_) {
+      if (p->running) running.push_back(p->pid);
+    }
+  }
+  for (pid_t pid : running) {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+std::vector<std::string> Spawner::stop(std::chrono::milliseconds grace,
+                                       std::chrono::milliseconds term_grace) {
+  std::vector<std::string> signalled;
+  if (!monitor_.joinable()) return signalled;
+  auto wait_all = [&](std::chrono::milliseconds d) {
+    std::unique_lock lock(mu_);
+    return exit_cv_.wait_for(lock, d, [&] {
+      return std::none_of(procs_.begin(), procs_.end(), [](const auto& p) { return p->running; });
+    });
+  };
+  if (!wait_all(grace)) {
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& p : procs_) {
+        if (p->running) signalled.push_back(p->name);
+      }
+    }
+    signal_all(SIGTERM);
+    wait_all(term_grace);
+  }
+  signal_all(SIGKILL);  // also whatever the processes started
+  wait_all(std::chrono::seconds(5));
+  stopping_ = true;
+  wake();
+  monitor_.join();
+  close_all_pipes();
+  return signalled;
+}
+
+void Spawner::close_all_pipes() {
+  std::lock_guard lock(mu_);
+  for (auto& p : procs_) {
+    p->out[0].reset();
+    p->out[1].reset();
+  }
+}
+
+}  // namespace twinkle::core

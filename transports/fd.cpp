@@ -1,0 +1,29 @@
+#include "transports/fd.hpp"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "twinkle/errors.hpp"
+
+namespace twinkle::transport {
+
+FdPair FdPair::pipe(const char* what) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0)
+    throw Error(fmt::format("cannot create a pipe for {}: {}", what, std::strerror(errno)));
+  return {Fd(p[0]), Fd(p[1])};
+}
+
+FdPair FdPair::seqpacket(const char* what) {
+  int p[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, p) != 0)
+    throw Error(fmt::format("cannot create a socket pair for {}: {}", what, std::strerror(errno)));
+  return {Fd(p[0]), Fd(p[1])};
+}
+
+}  // namespace twinkle::transport

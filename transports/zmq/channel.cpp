@@ -1,0 +1,193 @@
+#include "transports/zmq/channel.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "twinkle/errors.hpp"
+
+namespace twinkle::transport {
+
+namespace {
+
+// The longest path a Unix socket address holds (sockaddr_un::sun_path, with its NUL).
+constexpr std::size_t kMaxSocketPath = 107;
+
+zmq::socket_t make_socket(zmq::context_t& context, zmq::socket_type type) {
+  zmq::socket_t s(context, type);
+  s.set(zmq::sockopt::linger, 0);
+  // No high-water marks: a driver that sends many calls before reading replies must not block
+  // on a worker that blocks on its replies (a deadlock).
+  s.set(zmq::sockopt::sndhwm, 0);
+  s.set(zmq::sockopt::rcvhwm, 0);
+  return s;
+}
+
+class LocalWorkerLink : public WorkerLink {
+ public:
+  LocalWorkerLink(zmq::context_t& context, const std::string& endpoint, const std::string& identity,
+                  int shm_fd)
+      : socket_(make_socket(context, zmq::socket_type::dealer)) {
+    socket_.set(zmq::sockopt::routing_id, identity);
+    // Replies already queued still leave when the worker exits after its last one.
+    socket_.set(zmq::sockopt::linger, 2000);
+    socket_.connect(endpoint);
+    if (shm_fd >= 0) shm_ = std::make_unique<ShmChannel>(shm_fd);
+  }
+  void send(const Message& m) override { send_message(socket_, m, nullptr, shm_.get()); }
+  std::optional<Message> recv(std::chrono::milliseconds timeout) override {
+    return recv_message(socket_, static_cast<int>(timeout.count()), nullptr,
+                        [this](const std::string&) { return shm_.get(); });
+  }
+  Value adopt(const twk_value_v1& v) override { return shm_ ? decode_to_shm(v) : decode(v); }
+
+ private:
+  zmq::socket_t socket_;
+  std::unique_ptr<ShmChannel> shm_;
+};
+
+}  // namespace
+
+LocalDriverChannel::LocalDriverChannel(zmq::context_t& context,
+                                       const std::filesystem::path& socket_path,
+                                       std::vector<std::string> identities)
+    : router_(make_socket(context, zmq::socket_type::router)), identities_(std::move(identities)) {
+  const std::string path = socket_path.string();
+  if (path.size() > kMaxSocketPath) {
+    throw TransportError(fmt::format(
+        "the control socket path {} is {} characters long, more than a Unix socket allows ({}); "
+        "set TMPDIR to a shorter folder",
+        path, path.size(), kMaxSocketPath));
+  }
+  endpoint_ = "ipc://" + path;
+  router_.set(zmq::sockopt::router_mandatory, 1);
+  try {
+    router_.bind(endpoint_);
+  } catch (const zmq::error_t& e) {
+    throw TransportError(fmt::format("cannot bind the control socket {}: {}", endpoint_, e.what()));
+  }
+  for (std::size_t i = 0; i < identities_.size(); ++i) {
+    by_identity_.emplace(identities_[i], i);
+    FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
+    shm_.push_back(std::make_unique<ShmChannel>(pair.first.release(), &pool_));
+    worker_ends_.push_back(std::move(pair.second));
+  }
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_)
+    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+}
+
+LocalDriverChannel::~LocalDriverChannel() = default;
+
+Fd LocalDriverChannel::take_worker_end(std::size_t peer) {
+  return std::move(worker_ends_.at(peer));
+}
+
+void LocalDriverChannel::send(std::size_t peer, const Message& m) {
+  try {
+    send_message(router_, m, &identities_.at(peer), shm_.at(peer).get());
+  } catch (const zmq::error_t& e) {
+    throw TransportError(fmt::format("cannot reach worker {}: {}", identities_.at(peer), e.what()));
+  }
+}
+
+void LocalDriverChannel::lost(std::size_t peer, std::string reason) {
+  {
+    std::lock_guard lock(mu_);
+    ChannelEvent e;
+    e.kind = ChannelEvent::Kind::lost;
+    e.peer = peer;
+    e.reason = std::move(reason);
+    pending_.push_back(std::move(e));
+  }
+  wake();
+}
+
+void LocalDriverChannel::wake() {
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+std::optional<ChannelEvent> LocalDriverChannel::take_pending() {
+  std::lock_guard lock(mu_);
+  if (pending_.empty()) return std::nullopt;
+  ChannelEvent e = std::move(pending_.front());
+  pending_.pop_front();
+  return e;
+}
+
+void LocalDriverChannel::drop(const std::string& why) {
+  ++dropped_;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_drop_log_ < std::chrono::seconds(1)) {
+    ++dropped_unlogged_;
+    return;
+  }
+  if (dropped_unlogged_ > 0) {
+    std::fprintf(stderr, "twinkle: dropped %llu more message(s) on the control socket\n",
+                 static_cast<unsigned long long>(dropped_unlogged_));
+  }
+  std::fprintf(stderr, "twinkle: dropped a message on the control socket: %s\n", why.c_str());
+  dropped_unlogged_ = 0;
+  last_drop_log_ = now;
+}
+
+std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const bool forever = timeout.count() < 0;
+  const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
+  for (;;) {
+    if (auto e = take_pending()) return e;
+    std::vector<zmq::message_t> frames;
+    if (!zmq::recv_multipart(router_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
+      long left = -1;
+      if (!forever) {
+        left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        if (left <= 0) return std::nullopt;
+      }
+      zmq::pollitem_t items[2] = {{router_.handle(), 0, ZMQ_POLLIN, 0},
+                                  {nullptr, wake_.get(), ZMQ_POLLIN, 0}};
+      zmq::poll(items, 2, std::chrono::milliseconds(left));
+      if (items[1].revents & ZMQ_POLLIN) {
+        std::uint64_t n;
+        (void)!::read(wake_.get(), &n, sizeof n);
+        if (auto e = take_pending()) return e;
+        ChannelEvent w;
+        w.kind = ChannelEvent::Kind::wake;
+        return w;
+      }
+      continue;
+    }
+    if (frames.empty()) continue;
+    const std::string identity = frames.front().to_string();
+    auto it = by_identity_.find(identity);
+    if (it == by_identity_.end()) {
+      drop(fmt::format("from an unknown peer \"{}\" (not a worker of this run)",
+                       identity.substr(0, 64)));
+      continue;
+    }
+    frames.erase(frames.begin());
+    try {
+      ChannelEvent e;
+      e.peer = it->second;
+      e.message = decode_message(std::move(frames), shm_[it->second].get());
+      return e;
+    } catch (const TransportError& err) {
+      drop(fmt::format("from worker {}: {}", identity, err.what()));
+    }
+  }
+}
+
+std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
+                                                 const std::string& endpoint,
+                                                 const std::string& identity, int shm_fd) {
+  return std::make_unique<LocalWorkerLink>(context, endpoint, identity, shm_fd);
+}
+
+}  // namespace twinkle::transport

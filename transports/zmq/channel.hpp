@@ -1,0 +1,122 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "transports/fd.hpp"
+#include "transports/shm/segment.hpp"
+#include "transports/zmq/message.hpp"
+
+// The worker channel: how the driver and its workers exchange messages, whatever carries them.
+// The driver's logic sees peers (worker indices), messages and lost peers; never a socket, an
+// identity frame or a shared-memory descriptor.
+namespace twinkle::transport {
+
+// What the driver's end of the channel delivers.
+struct ChannelEvent {
+  enum class Kind { message, lost, wake };
+  Kind kind = Kind::message;
+  std::size_t peer = 0;  // message, lost
+  Message message;       // message
+  std::string reason;    // lost: how the peer was lost ("exited with code 3; ...")
+};
+
+// The driver's end of the channels to every worker of a run. Peers are numbered 0..n-1 and known
+// by identities fixed before they connect; a message from any other identity, or one that does not
+// decode, is dropped and counted (logged at most once a second), never fatal.
+// send() and next() are called from one thread (the driver's); lost() and wake() from any.
+class DriverChannel {
+ public:
+  virtual ~DriverChannel() = default;
+
+  // What workers connect to.
+  virtual const std::string& endpoint() const = 0;
+  // Queues `m` for `peer`. Throws TransportError when the peer is unreachable.
+  virtual void send(std::size_t peer, const Message& m) = 0;
+  // The next event, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
+  virtual std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) = 0;
+  // `peer` is gone (its process ended, its node stopped answering): next() delivers it once.
+  virtual void lost(std::size_t peer, std::string reason) = 0;
+  // Makes a waiting next() return a wake event (a signal arrived, for example).
+  virtual void wake() = 0;
+  // Messages dropped so far: from unknown peers, or malformed.
+  virtual std::uint64_t dropped() const = 0;
+  // A value the plugin handed over (which must be copied out of its memory) in the form this
+  // channel sends best: local channels put large tensors straight into shared memory, so that
+  // slices of them reach the workers without another copy.
+  virtual Value adopt(const twk_value_v1& v) = 0;
+};
+
+// A worker's end of the channel to its driver. Used from one thread.
+class WorkerLink {
+ public:
+  virtual ~WorkerLink() = default;
+  virtual void send(const Message& m) = 0;
+  // The next message, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
+  // Throws TransportError for a message that does not decode.
+  virtual std::optional<Message> recv(std::chrono::milliseconds timeout) = 0;
+  // A value the plugin handed over, in the form this channel sends best (DriverChannel::adopt).
+  virtual Value adopt(const twk_value_v1& v) = 0;
+};
+
+// Local workers: a ZeroMQ ROUTER on a Unix socket, plus one descriptor channel per worker over
+// which tensors of kShmThreshold bytes or more travel as shared memory (segments from `pool`,
+// whose release acknowledgements ride in the framing).
+class LocalDriverChannel : public DriverChannel {
+ public:
+  // Binds ipc://`socket_path` (whose folder should be private to the run). `identities[i]` is
+  // peer i's. Throws TransportError naming the path when it cannot bind (for example a path
+  // longer than a Unix socket allows).
+  LocalDriverChannel(zmq::context_t& context, const std::filesystem::path& socket_path,
+                     std::vector<std::string> identities);
+  ~LocalDriverChannel() override;
+
+  // The worker's end of peer's descriptor channel, for the launcher to hand to that worker
+  // (connect_local_worker's `shm_fd`). Once per peer.
+  Fd take_worker_end(std::size_t peer);
+
+  const std::string& endpoint() const override { return endpoint_; }
+  void send(std::size_t peer, const Message& m) override;
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
+  void lost(std::size_t peer, std::string reason) override;
+  void wake() override;
+  std::uint64_t dropped() const override { return dropped_; }
+  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v, &pool_); }
+
+ private:
+  void drop(const std::string& why);
+  std::optional<ChannelEvent> take_pending();
+
+  std::string endpoint_;
+  zmq::socket_t router_;
+  std::vector<std::string> identities_;
+  std::unordered_map<std::string, std::size_t> by_identity_;
+  ShmPool pool_;  // before the channels, which point to it
+  std::vector<std::unique_ptr<ShmChannel>> shm_;
+  std::vector<Fd> worker_ends_;
+  Fd wake_;  // eventfd
+  std::mutex mu_;
+  std::deque<ChannelEvent> pending_;  // lost and wake events
+  std::uint64_t dropped_ = 0;
+  std::uint64_t dropped_unlogged_ = 0;
+  std::chrono::steady_clock::time_point last_drop_log_{};
+};
+
+// A local worker's end: a DEALER with `identity` connected to `endpoint`, and its descriptor
+// channel `shm_fd` (taken over; -1 for none).
+std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
+                                                 const std::string& endpoint,
+                                                 const std::string& identity, int shm_fd);
+
+}  // namespace twinkle::transport
