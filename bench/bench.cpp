@@ -2,6 +2,7 @@
 // same machine (raw ZeroMQ round trip over the same ipc transport, memcpy bandwidth, the Gloo
 // collectives backend next to the shared-memory one), as ratios.
 // Usage: twinkle_bench TWINKLE_BINARY BENCH_JOB [--quick]
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +20,8 @@
 #include <zmq.hpp>
 
 using Clock = std::chrono::steady_clock;
+
+extern char** environ;
 
 namespace {
 
@@ -79,6 +82,29 @@ double memcpy_gbs(std::size_t bytes) {
   }
   if (b[bytes / 2] != 1) std::abort();
   return static_cast<double>(bytes) / best / 1e9;
+}
+
+// The floor of any launcher: spawn `n` minimal processes (/bin/true) and reap them, in seconds.
+double spawn_and_reap(int n) {
+  std::vector<pid_t> pids(static_cast<std::size_t>(n));
+  char* argv[] = {const_cast<char*>("/bin/true"), nullptr};
+  const auto t0 = Clock::now();
+  for (auto& p : pids) {
+    if (posix_spawn(&p, argv[0], nullptr, nullptr, argv, environ) != 0)
+      throw std::runtime_error("cannot spawn /bin/true");
+  }
+  for (pid_t p : pids) waitpid(p, nullptr, 0);
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// `mpirun -np 8 /bin/true` in seconds, or a negative number when OpenMPI is not installed.
+double mpirun_true(int n) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) return -1;
+  const std::string cmd =
+      fmt::format("mpirun --allow-run-as-root --oversubscribe -np {} /bin/true >/dev/null 2>&1", n);
+  const auto t0 = Clock::now();
+  if (std::system(cmd.c_str()) != 0) return -1;
+  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 // Runs `twinkle run --quiet --set job.driver=DRIVER JOB`, returns its FIGURE lines and the time to
@@ -150,6 +176,16 @@ int main(int argc, char** argv) {
             .figures;
     auto first = run_twinkle(twinkle, job, "first_call", {}, "FIRST CALL DONE");
     auto noop = run_twinkle(twinkle, job, "noop", {});
+    // The launch figure: 8 workers start, do one 1-float all_reduce and exit; the median of 5,
+    // each next to the median of 5 spawn-and-reap rounds of 8 minimal processes.
+    const std::string launch_job =
+        (std::filesystem::path(job).parent_path() / "bench_launch.toml").string();
+    std::vector<double> launch, floor, mpi;
+    for (int rep = 0; rep < 5; ++rep) {
+      launch.push_back(run_twinkle(twinkle, launch_job, "launch", {}).total_s);
+      floor.push_back(spawn_and_reap(8));
+      if (const double m = mpirun_true(8); m > 0) mpi.push_back(m);
+    }
     // Both cpu collectives backends, alternating, the median of each.
     const std::string reps = quick ? "args.all_reduce_reps=2" : "args.all_reduce_reps=5";
     std::map<std::string, std::vector<double>> runs;
@@ -189,6 +225,14 @@ int main(int argc, char** argv) {
         d["dispatch_bandwidth"], "", "memcpy GB/s", mem);
     row("5. launch to first call done, 8 workers (s)", first.mark_s, "", "-", 0);
     row("   whole run, no-op driver, 11 workers (s)", noop.total_s, "", "-", 0);
+    row("   8 workers start, 1 all_reduce, exit (s)", percentile(launch, 0.5), "", "spawn+reap 8",
+        percentile(floor, 0.5));
+    if (!mpi.empty()) {
+      row("   same figure next to mpirun -np 8 true (s)", percentile(launch, 0.5), "", "mpirun",
+          percentile(mpi, 0.5));
+    } else {
+      fmt::print("   (mpirun not installed: no MPI reference for the launch figure)\n");
+    }
     row("6. all_reduce 64 MiB f32, 2 workers, busbw GB/s", ar["all_reduce_busbw_2_shm"], "",
         "Gloo GB/s", ar["all_reduce_busbw_2_gloo"]);
     row("   same, 8 workers", ar["all_reduce_busbw_8_shm"], "", "Gloo GB/s",

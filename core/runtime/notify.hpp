@@ -10,7 +10,8 @@ namespace twinkle::core {
 // {"job", "run_id", "host", "error"} for kind = "json", or a DingTalk markdown message for
 // kind = "dingtalk" (with secret: the timestamp and HMAC-SHA256 sign query parameters).
 // A notification that cannot be delivered is reported on stderr and never fails the run.
-// Blocks for at most 10 seconds.
+// Blocks for at most 10 seconds. The work is done by the module libtwinkle_notify.so, loaded on
+// the first failure, so that runs start without libcurl and its TLS stack.
 void notify_failure(const NotifySpec& notify, const std::string& job, const std::string& run_id,
                     const std::string& error);
 

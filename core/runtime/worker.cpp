@@ -20,13 +20,11 @@
 #include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
 #include "transports/gloo/communicator.hpp"
+#include "transports/nccl/communicator.hpp"
 #include "transports/shm/communicator.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
 #include "twinkle/errors.hpp"
-#ifdef TWINKLE_HAVE_NCCL
-#include "transports/nccl/communicator.hpp"
-#endif
 
 namespace twinkle::core {
 
@@ -246,13 +244,7 @@ class Worker {
     if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_);
     std::unique_ptr<transport::Communicator> c;
     if (device_ == "cuda") {
-#ifdef TWINKLE_HAVE_NCCL
       c = transport::create_nccl_communicator(*kv_, config);
-#else
-      throw TransportError(
-          "this twinkle was built without CUDA/NCCL, so cuda groups have no collectives; rebuild "
-          "where the CUDA toolkit and NCCL are installed");
-#endif
     } else if (collectives_ == "gloo") {
       c = transport::create_gloo_communicator(*kv_, config);
     } else {
