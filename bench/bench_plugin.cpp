@@ -33,6 +33,17 @@ struct Bench {
     for (int i = 0; i < reps; ++i) comm.all_reduce(std::span<float>(buf));
     return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
   }
+  // Seconds of one broadcast of `mib` from rank 0, the slowest member's time.
+  double broadcast(Context& ctx, int mib, int reps) {
+    std::vector<float> buf(static_cast<std::size_t>(mib) << 18, ctx.rank() == 0 ? 1.0f : 0.0f);
+    auto comm = ctx.comm();
+    comm.broadcast(std::span<float>(buf));  // warm-up: connect, fault the pages in
+    comm.barrier();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < reps; ++i) comm.broadcast(std::span<float>(buf));
+    comm.barrier();
+    return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
+  }
   // One 1-float all_reduce: connects the group's collective on first use.
   double reduce_one(Context& ctx) {
     float x = 1.0f;
@@ -45,6 +56,7 @@ TWINKLE_METHOD(Bench, noop, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, one, twinkle::dispatch::all, twinkle::collect::sum);
 TWINKLE_METHOD(Bench, take, twinkle::dispatch::slice_dp, twinkle::collect::sum);
 TWINKLE_METHOD(Bench, all_reduce, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Bench, broadcast, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, reduce_one, twinkle::dispatch::all, twinkle::collect::first);
 
 namespace {
@@ -141,6 +153,15 @@ TWINKLE_DRIVER(all_reduce, twinkle::Driver& d) {
     const double busbw = static_cast<double>(mib) * 1048576.0 * 2.0 * (n - 1) / n / t / 1e9;
     figure(n == 2 ? "all_reduce_busbw_2" : "all_reduce_busbw_8", busbw, "GB/s");
   }
+}
+
+TWINKLE_DRIVER(broadcast, twinkle::Driver& d) {
+  const int mib = d.args()["broadcast_mib"].as<int>();
+  const int reps = d.args()["all_reduce_reps"].as<int>();
+  auto h = d.create<Bench>("eight");
+  const double t = h.call("broadcast", mib, reps).get().as<double>();
+  // Bytes that reach each receiver per second (nccl-tests' algbw and busbw for broadcast).
+  figure("broadcast_8", static_cast<double>(mib) * 1048576.0 / t / 1e9, "GB/s");
 }
 
 TWINKLE_PLUGIN("twinkle-bench", "1.0.0");

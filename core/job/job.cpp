@@ -85,6 +85,8 @@ Override parse_override(std::string_view text) {
 
 namespace {
 
+bool is_collectives_backend(std::string_view v) { return v == "auto" || v == "shm" || v == "gloo"; }
+
 // [args] (or any TOML node) as a Value: tables become maps, arrays lists, dates and times their
 // TOML text.
 Value to_value(const toml::node& node) {
@@ -361,9 +363,9 @@ class JobReader {
   }
 
   void read_job(const toml::table& t, Job& job) {
-    check_keys(
-        t, "job",
-        {"name", "mode", "plugin", "driver", "seed", "timeout_s", "address", "nproc_per_node"});
+    check_keys(t, "job",
+               {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
+                "nproc_per_node"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -405,6 +407,16 @@ class JobReader {
         fail(*n, "job.timeout_s",
              fmt::format("job.timeout_s must be more than 0 and at most {:g} (7 days), not {}",
                          kMaxTimeoutS, job.timeout_s));
+      }
+    }
+    if (auto n = t.get("collectives")) {
+      job.collectives = get_string(*n, "job.collectives");
+      if (!is_collectives_backend(job.collectives)) {
+        auto hint = closest_match(job.collectives, {"auto", "shm", "gloo"});
+        fail(*n, "job.collectives",
+             fmt::format("job.collectives must be \"auto\", \"shm\" or \"gloo\", not \"{}\"{}",
+                         job.collectives,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
       }
     }
     if (auto n = t.get("address")) {
@@ -765,6 +777,17 @@ Job load_job(const std::filesystem::path& file, const std::vector<Override>& ove
     }
   }
   return parse_job(text, file, overrides);
+}
+
+std::string collectives_backend(const Job& job, const char* env) {
+  if (!env) return job.collectives;
+  if (!is_collectives_backend(env)) {
+    throw ConfigError(fmt::format(
+        "TWINKLE_COLLECTIVES must be \"auto\", \"shm\" or \"gloo\", not \"{}\"; unset it to use "
+        "job.collectives (\"{}\")",
+        env, job.collectives));
+  }
+  return env;
 }
 
 }  // namespace twinkle::core

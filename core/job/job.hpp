@@ -59,6 +59,7 @@ struct Job {
   std::string driver = "main";
   std::int64_t seed = 0;
   double timeout_s = 600;
+  std::string collectives = "auto";  // "auto" | "shm" | "gloo": the cpu groups' backend
   std::string address;
   int nproc_per_node = 0;  // 0: not set
   std::vector<GroupSpec> groups;
@@ -83,6 +84,10 @@ Job load_job(const std::filesystem::path& file, const std::vector<Override>& ove
 // Same, from text; `file` names it in messages and anchors the plugin path.
 Job parse_job(std::string_view text, const std::filesystem::path& file,
               const std::vector<Override>& overrides = {});
+
+// The cpu groups' collectives backend for a run of `job`: `env` (the value of TWINKLE_COLLECTIVES,
+// or null) overrides job.collectives. Throws ConfigError if `env` is not "auto", "shm" or "gloo".
+std::string collectives_backend(const Job& job, const char* env);
 
 // The closest of `candidates` to `word` within a small edit distance, for "did you mean" hints.
 std::optional<std::string> closest_match(std::string_view word,

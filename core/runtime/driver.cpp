@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -111,6 +112,7 @@ class JobRun : public DriverOps {
                       "use mode = \"local\"",
                       job_.file.string()));
     }
+    collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     const NodeResources local = discover_local(options_.gpus);
     placement_ = place(job_, local);
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
@@ -260,6 +262,7 @@ class JobRun : public DriverOps {
                        {"mesh", mesh_to_value(g.mesh)},
                        {"device", std::string(to_string(g.device))},
                        {"kv", kv_->endpoint()},
+                       {"collectives", collectives_},
                        {"timeout_s", job_.timeout_s}});
   }
 
@@ -363,6 +366,7 @@ class JobRun : public DriverOps {
 
   RunOptions options_;
   Job job_;
+  std::string collectives_;  // the cpu groups' backend, TWINKLE_COLLECTIVES applied
   Placement placement_;
   std::optional<plugins::Plugin> plugin_;
   twk_driver_fn driver_fn_ = nullptr;

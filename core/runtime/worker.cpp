@@ -21,6 +21,7 @@
 #include "plugins/loader.hpp"
 #include "transports/gloo/communicator.hpp"
 #include "transports/nccl/communicator.hpp"
+#include "transports/shm/communicator.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
 #include "twinkle/errors.hpp"
@@ -175,6 +176,7 @@ class Worker {
     mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
     device_ = welcome->body["device"].as<std::string>();
     kv_endpoint_ = welcome->body["kv"].as<std::string>();
+    collectives_ = welcome->body["collectives"].as<std::string>();
     timeout_ = std::chrono::milliseconds(
         static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
 
@@ -243,8 +245,21 @@ class Worker {
     std::unique_ptr<transport::Communicator> c;
     if (device_ == "cuda") {
       c = transport::create_nccl_communicator(*kv_, config);
-    } else {
+    } else if (collectives_ == "gloo") {
       c = transport::create_gloo_communicator(*kv_, config);
+    } else {
+      // Every member takes the same branch: they all see the same host ids.
+      const bool local = transport::members_share_host(*kv_, config);
+      if (local) {
+        c = transport::create_shm_communicator(*kv_, config);
+      } else if (collectives_ == "shm") {
+        throw TransportError(fmt::format(
+            "collectives = \"shm\" but the members of {} are on more than one host; use \"auto\" "
+            "or \"gloo\"",
+            config.name));
+      } else {
+        c = transport::create_gloo_communicator(*kv_, config);
+      }
     }
     return *comms_.emplace(dim, std::move(c)).first->second;
   }
@@ -345,6 +360,7 @@ class Worker {
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
   std::string kv_endpoint_;
+  std::string collectives_ = "auto";  // "auto" | "shm" | "gloo" for cpu groups
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<transport::KvClient> kv_;
   std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;

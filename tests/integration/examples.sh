@@ -19,7 +19,14 @@ case $4 in
     one=$(sed -n 's/^final loss: //p' "$TMP/out")
     python3 -c "import sys; sys.exit(0 if abs(float('$four') - float('$one')) <= 1e-4 else 1)" ||
       fail "final loss with 4 workers ($four) differs from 1 worker ($one) by more than 1e-4"
-    echo "4 workers: loss $four accuracy $acc; 1 worker: loss $one"
+    # The default backend for one host is shared memory; Gloo must train to the same accuracy.
+    TWINKLE_COLLECTIVES=gloo run 0 "$TWK" run --quiet "$EX/digits/job.toml"
+    gloo=$(sed -n 's/^final loss: //p' "$TMP/out")
+    gacc=$(sed -n 's/^accuracy: //p' "$TMP/out")
+    [ "$gacc" = "$acc" ] || fail "accuracy with Gloo ($gacc) differs from shared memory ($acc)"
+    python3 -c "import sys; sys.exit(0 if abs(float('$four') - float('$gloo')) <= 1e-4 else 1)" ||
+      fail "final loss with Gloo ($gloo) differs from shared memory ($four) by more than 1e-4"
+    echo "4 workers: loss $four accuracy $acc (Gloo: $gloo $gacc); 1 worker: loss $one"
     ;;
   hello)
     run 0 "$TWK" run "$EX/hello/job.toml"

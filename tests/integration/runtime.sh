@@ -178,8 +178,15 @@ PY
     ;;
   collectives)
     write_job "" ""
-    run 0 "$TWK" run --set job.driver=collectives "$TMP/job.toml"
+    # auto picks shared memory (one host); both backends must give the same results.
+    for backend in auto shm gloo; do
+      run 0 "$TWK" run --set job.driver=collectives --set job.collectives=$backend "$TMP/job.toml"
+      expect_out "COLLECTIVES OK"
+    done
+    TWINKLE_COLLECTIVES=gloo run 0 "$TWK" run --set job.driver=collectives "$TMP/job.toml"
     expect_out "COLLECTIVES OK"
+    TWINKLE_COLLECTIVES=mpi run 2 "$TWK" run --set job.driver=collectives "$TMP/job.toml"
+    expect_err 'TWINKLE_COLLECTIVES must be "auto", "shm" or "gloo", not "mpi"'
     expect_clean
     ;;
   shm)
@@ -191,11 +198,13 @@ PY
   collective_death)
     # A peer that dies mid-collective: the run fails at once (not at the timeout) naming it.
     write_job "" ""
-    start=$SECONDS
-    run 1 "$TWK" run --set job.driver=collective_death "$TMP/job.toml"
-    [ $((SECONDS - start)) -lt 20 ] || fail "the run waited for the collective's timeout"
-    expect_err "root cause: worker a:2"
-    expect_err "| leaving before the all_reduce"
+    for backend in shm gloo; do
+      start=$SECONDS
+      TWINKLE_COLLECTIVES=$backend run 1 "$TWK" run --set job.driver=collective_death "$TMP/job.toml"
+      [ $((SECONDS - start)) -lt 20 ] || fail "the run waited for the collective's timeout ($backend)"
+      expect_err "root cause: worker a:2"
+      expect_err "| leaving before the all_reduce"
+    done
     expect_clean
     ;;
   timeout)

@@ -293,3 +293,21 @@ TEST_CASE("closest_match", "[job]") {
   CHECK(closest_match("sed", {"seed", "name"}) == "seed");
   CHECK(closest_match("qqqqqq", {"seed", "name"}) == std::nullopt);
 }
+
+TEST_CASE("the collectives backend comes from the job file, TWINKLE_COLLECTIVES overrides it",
+          "[job]") {
+  const std::string group = "[[group]]\nname = \"g\"\nranks = 2\n";
+  Job job = parse(kJob + group);
+  CHECK(job.collectives == "auto");
+  CHECK(collectives_backend(job, nullptr) == "auto");
+  job = parse(kJob + "collectives = \"gloo\"\n" + group);
+  CHECK(collectives_backend(job, nullptr) == "gloo");
+  CHECK(collectives_backend(job, "shm") == "shm");
+  CHECK(parse(kJob + group, {parse_override("job.collectives=shm")}).collectives == "shm");
+  CHECK(error_of(kJob + "collectives = \"shmem\"\n" + group) ==
+        "jobs/job.toml:4:15: job.collectives must be \"auto\", \"shm\" or \"gloo\", not \"shmem\"; "
+        "did you mean \"shm\"?");
+  CHECK_THROWS_WITH(collectives_backend(job, "mpi"),
+                    "TWINKLE_COLLECTIVES must be \"auto\", \"shm\" or \"gloo\", not \"mpi\"; unset "
+                    "it to use job.collectives (\"gloo\")");
+}
