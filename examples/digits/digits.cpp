@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <span>
@@ -40,7 +42,21 @@ struct Dataset {
   std::size_t rows() const { return y.size(); }
 };
 
+// Data files are read only when they are regular files of a bounded size: a FIFO or a device
+// (/dev/zero) as args.data must not hang the driver or fill its memory.
+constexpr std::uintmax_t kMaxDataBytes = std::uintmax_t{256} << 20;
+constexpr int kMaxRows = 1'000'000;
+
 Dataset read_digits(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::is_regular_file(status)) {
+    throw std::runtime_error(path +
+                             " is not a regular file; set args.data to the digits.csv.gz file");
+  }
+  if (std::filesystem::file_size(path, ec) > kMaxDataBytes) {
+    throw std::runtime_error(path + " is larger than 256 MiB; this example reads a small data set");
+  }
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f)
     throw std::runtime_error("cannot open " + path + "; set args.data to the digits.csv.gz file");
@@ -51,11 +67,20 @@ Dataset read_digits(const std::string& path) {
     ++row;
     std::stringstream ss(line);
     std::vector<int> v;
-    for (std::string cell; std::getline(ss, cell, ',');) v.push_back(std::stoi(cell));
-    if (v.size() != kFeatures + 1 || v.back() < 0 || v.back() >= kClasses) {
+    bool numbers = true;
+    for (std::string cell; std::getline(ss, cell, ',');) {
+      char* end = nullptr;
+      const long n = std::strtol(cell.c_str(), &end, 10);
+      numbers &= end != cell.c_str() && (*end == '\0' || *end == '\n' || *end == '\r') && n >= 0 &&
+                 n <= 16;
+      v.push_back(static_cast<int>(n));
+    }
+    if (!numbers || row > kMaxRows || v.size() != kFeatures + 1 || v.back() < 0 ||
+        v.back() >= kClasses) {
       gzclose(f);
-      throw std::runtime_error(path + ":" + std::to_string(row) +
-                               ": expected 64 pixels and a label 0..9");
+      throw std::runtime_error(
+          path + ":" + std::to_string(row) +
+          ": expected 64 pixels 0..16 and a label 0..9 (at most 1,000,000 rows)");
     }
     for (int i = 0; i < kFeatures; ++i) d.x.push_back(static_cast<float>(v[i]) / 16.0f);
     d.y.push_back(v.back());

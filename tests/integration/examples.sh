@@ -26,6 +26,9 @@ case $4 in
     [ "$gacc" = "$acc" ] || fail "accuracy with Gloo ($gacc) differs from shared memory ($acc)"
     python3 -c "import sys; sys.exit(0 if abs(float('$four') - float('$gloo')) <= 1e-4 else 1)" ||
       fail "final loss with Gloo ($gloo) differs from shared memory ($four) by more than 1e-4"
+    # A device as the data file is refused, not read forever.
+    run 1 "$TWK" run --quiet --set args.data=/dev/zero "$EX/digits/job.toml"
+    expect_err "root cause: /dev/zero is not a regular file; set args.data to the digits.csv.gz file"
     echo "4 workers: loss $four accuracy $acc (Gloo: $gloo $gacc); 1 worker: loss $one"
     ;;
   hello)
