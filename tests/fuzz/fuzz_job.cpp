@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <string_view>
 
-#include "twinkle/errors.hpp"
 #include "core/job/job.hpp"
+#include "twinkle/errors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size > twinkle::core::kMaxJobFileBytes) return -1;  // load_job never reads more

@@ -7,8 +7,8 @@
 
 #include <zmq.hpp>
 
-#include "twinkle/errors.hpp"
 #include "transports/zmq/message.hpp"
+#include "twinkle/errors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   std::vector<zmq::message_t> frames;

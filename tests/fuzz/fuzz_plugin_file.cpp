@@ -4,8 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "twinkle/errors.hpp"
 #include "plugins/loader.hpp"
+#include "twinkle/errors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < 8) return -1;

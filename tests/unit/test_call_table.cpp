@@ -351,9 +351,8 @@ TEST_CASE("wait: a worker's error names the caller, the call and the worker", "[
       t.channel.reply(peer, m.id, 1);
     }
   };
-  CHECK(
-      Table::error_of([&] { t.table.wait(t.table.call(inst, "m", Value::list(), "y.cpp:9")); }) ==
-      "C.m failed on group g rank 3 (host h, pid 44): bad batch");
+  CHECK(Table::error_of([&] { t.table.wait(t.table.call(inst, "m", Value::list(), "y.cpp:9")); }) ==
+        "C.m failed on group g rank 3 (host h, pid 44): bad batch");
 }
 
 TEST_CASE("wait: a worker lost while the driver waits fails the wait, naming it", "[call_table]") {
