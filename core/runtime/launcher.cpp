@@ -20,6 +20,8 @@ LocalLauncher::~LocalLauncher() { stop(std::chrono::milliseconds(0)); }
 
 void LocalLauncher::start(const std::vector<WorkerLaunch>& workers) {
   const std::string parent = std::to_string(::getpid());
+  // All names first: the spawner's thread reads them when a worker ends, even during this loop.
+  for (const auto& w : workers) names_.push_back(w.name);
   for (std::size_t i = 0; i < workers.size(); ++i) {
     ProcessSpec spec;
     spec.name = workers[i].name;
@@ -37,7 +39,6 @@ void LocalLauncher::start(const std::vector<WorkerLaunch>& workers) {
     spec.env.push_back("TWINKLE_PARENT_PID=" + parent);
     spec.env.push_back("TWINKLE_SHM_FD=3");
     spec.inherit.emplace_back(channel_.take_worker_end(i), 3);
-    names_.push_back(spec.name);
     spawner_.spawn(std::move(spec));
   }
 }

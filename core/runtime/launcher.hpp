@@ -64,7 +64,7 @@ class LocalLauncher : public Launcher {
 
   LocalLaunchOptions options_;
   transport::LocalDriverChannel& channel_;
-  std::vector<std::string> names_;  // by peer
+  std::vector<std::string> names_;  // by peer; fixed before the first worker starts
   std::atomic<bool> expecting_exits_{false};
   std::atomic<bool> failed_{false};
   Spawner spawner_;  // last: its monitor thread calls on_exit until it is destroyed
