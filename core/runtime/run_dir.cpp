@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "transports/zmq/channel.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core {
@@ -19,10 +20,8 @@ namespace {
 
 constexpr const char* kPrefix = "twinkle-run.";
 constexpr const char* kOwnerFile = "driver";
-// The longest socket name the runtime puts in the folder ("ctl", "kv"), and the longest path a
-// Unix socket address holds.
+// The longest socket name the runtime puts in the folder ("ctl", "kv").
 constexpr std::size_t kLongestSocketName = 8;
-constexpr std::size_t kMaxSocketPath = 107;
 
 // Field 22 of /proc/PID/stat: the process's start time, which tells a reused pid apart.
 std::string start_time(pid_t pid) {
@@ -44,7 +43,7 @@ std::filesystem::path temp_parent() {
   // mkdtemp's template, then "/" and a socket name, must fit a socket address.
   const std::size_t need =
       parent.string().size() + 1 + std::strlen(kPrefix) + 8 + 7 + 1 + kLongestSocketName;
-  if (need > kMaxSocketPath) return "/tmp";
+  if (need > transport::kMaxSocketPath) return "/tmp";
   return parent;
 }
 

@@ -15,9 +15,6 @@ namespace twinkle::transport {
 
 namespace {
 
-// The longest path a Unix socket address holds (sockaddr_un::sun_path, with its NUL).
-constexpr std::size_t kMaxSocketPath = 107;
-
 zmq::socket_t make_socket(zmq::context_t& context, zmq::socket_type type) {
   zmq::socket_t s(context, type);
   s.set(zmq::sockopt::linger, 0);

@@ -23,6 +23,10 @@
 // identity frame or a shared-memory descriptor.
 namespace twinkle::transport {
 
+// The longest path a Unix socket address holds (sockaddr_un::sun_path, without its NUL): the
+// limit on LocalDriverChannel's socket path.
+inline constexpr std::size_t kMaxSocketPath = 107;
+
 // What the driver's end of the channel delivers.
 struct ChannelEvent {
   enum class Kind { message, lost, wake };
