@@ -12,6 +12,7 @@ using Action = std::function<int()>;
 
 void setup_topology(CLI::App& app, Action& action);
 void setup_nodes(CLI::App& app, Action& action);
+void setup_node(CLI::App& app, Action& action);
 void setup_inspect(CLI::App& app, Action& action);
 void setup_run(CLI::App& app, Action& action);
 void setup_worker(CLI::App& app, Action& action);

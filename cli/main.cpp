@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   twinkle::cli::setup_run(app, action);
   twinkle::cli::setup_topology(app, action);
   twinkle::cli::setup_nodes(app, action);
+  twinkle::cli::setup_node(app, action);
   twinkle::cli::setup_inspect(app, action);
   twinkle::cli::setup_keygen(app, action);
   twinkle::cli::setup_worker(app, action);

@@ -1,10 +1,17 @@
+#include <unistd.h>
+
+#include <chrono>
+#include <ctime>
 #include <string>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
+#include "core/cluster/head_link.hpp"
 #include "core/job/resources.hpp"
+#include "twinkle/value.hpp"
 
 namespace twinkle::cli {
 
@@ -12,9 +19,92 @@ namespace {
 
 struct NodesOptions {
   bool json = false;
+  ClusterFlags cluster;
 };
 
+nlohmann::json to_json(const Value& v) {
+  if (v.is_map()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [k, x] : v.map_items()) j[k] = to_json(x);
+    return j;
+  }
+  if (v.is_list()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& x : v.list_items()) j.push_back(to_json(x));
+    return j;
+  }
+  if (v.is_string()) return v.as<std::string>();
+  if (v.is_bool()) return v.as<bool>();
+  if (v.is_int()) return v.as<std::int64_t>();
+  if (v.is_double()) return v.as<double>();
+  return nullptr;
+}
+
+// `twinkle nodes --address`: the head's node table and reservations, like `ray status`.
+int run_cluster_nodes(const NodesOptions& o, const std::string& address) {
+  core::cluster::HeadLink link(address, core::cluster::member_security(o.cluster.keys, address),
+                               fmt::format("nodes/{}", getpid()));
+  const Value info =
+      link.request(core::cluster::Message{core::cluster::MsgType::nodes_query, 1, Value()},
+                   core::cluster::MsgType::nodes_info, std::chrono::seconds(10))
+          .body;
+  if (o.json) {
+    nlohmann::json j = to_json(info);
+    j["mode"] = "remote";
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("cluster at {}\n", address);
+  fmt::print("{:<16} {:<16} {:<6} {:>9}  {:>9}  {:>10}  {:>9}  {}\n", "NODE", "ADDRESS", "STATE",
+             "CPUS FREE", "GPUS FREE", "MEMORY", "HEARTBEAT", "LABELS");
+  for (const auto& n : info["nodes"]) {
+    int gpus_free = 0;
+    for (const auto& g : n["gpus"]) gpus_free += g["run"].as<std::string>().empty() ? 1 : 0;
+    std::string labels;
+    for (const auto& [k, v] : n["labels"].map_items())
+      labels += fmt::format("{}{}={}", labels.empty() ? "" : ",", k, v.as<std::string>());
+    const std::string alive = n["state"].as<std::string>();
+    fmt::print("{:<16} {:<16} {:<6} {:>9}  {:>9}  {:>10}  {:>8.1f}s  {}\n",
+               n["id"].as<std::string>(), n["address"].as<std::string>(), alive,
+               fmt::format("{}/{}", n["cpus_free"].as<int>(), n["cpus"].as<int>()),
+               fmt::format("{}/{}", gpus_free, n["gpus"].list_items().size()),
+               core::format_bytes(static_cast<std::uint64_t>(n["memory"].as<std::int64_t>())),
+               n["heartbeat_age_s"].as<double>(), labels.empty() ? "-" : labels);
+    for (const auto& g : n["gpus"]) {
+      const std::string run = g["run"].as<std::string>();
+      const auto mem = g["memory"].as<std::int64_t>();
+      fmt::print("  gpu {:<3} {:<32} {:<10} {}\n", g["index"].as<int>(),
+                 g["name"].as<std::string>().empty() ? "(declared)" : g["name"].as<std::string>(),
+                 mem ? core::format_bytes(static_cast<std::uint64_t>(mem)) : "",
+                 run.empty() ? "free" : "run " + run);
+    }
+  }
+  if (info["nodes"].list_items().empty())
+    fmt::print("(no nodes: start agents with `twinkle node start --address {}`)\n", address);
+  const auto& res = info["reservations"].list_items();
+  fmt::print("\n{} reservation{}\n", res.size(), res.size() == 1 ? "" : "s");
+  for (const auto& r : res) {
+    std::string where;
+    for (const auto& b : r["bundles"]) {
+      std::string gpus;
+      for (const auto& g : b["gpus"])
+        gpus += (gpus.empty() ? "" : ",") + std::to_string(g.as<int>());
+      where +=
+          fmt::format("{}{} ({} CPUs{})", where.empty() ? "" : ", ", b["node"].as<std::string>(),
+                      b["cpus"].as<int>(), gpus.empty() ? "" : ", GPUs " + gpus);
+    }
+    const auto since = static_cast<std::time_t>(r["since"].as<std::int64_t>());
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S", std::localtime(&since));
+    fmt::print("  run {}  job {}  owner {}  since {}: {}\n", r["run"].as<std::string>(),
+               r["job"].as<std::string>(), r["owner"].as<std::string>(), stamp, where);
+  }
+  return 0;
+}
+
 int run_nodes(const NodesOptions& o) {
+  if (const std::string address = o.cluster.resolve(); !address.empty())
+    return run_cluster_nodes(o, address);
   core::NodeResources r = core::discover_local();
   if (o.json) {
     nlohmann::json gpus = nlohmann::json::array();
@@ -61,6 +151,7 @@ void setup_nodes(CLI::App& app, Action& action) {
   auto o = std::make_shared<NodesOptions>();
   auto* sub = app.add_subcommand("nodes", "List this machine's resources: GPUs, CPUs, memory");
   sub->add_flag("--json", o->json, "Print as JSON for scripts");
+  add_cluster_flags(sub, o->cluster);
   sub->callback([o, &action] { action = [o] { return run_nodes(*o); }; });
 }
 

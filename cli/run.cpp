@@ -3,8 +3,12 @@
 
 #include <signal.h>
 
+#include <fmt/format.h>
+
+#include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
 #include "cli/exit_codes.hpp"
+#include "core/cluster/remote_site.hpp"
 #include "core/runtime/driver.hpp"
 #include "core/runtime/worker.hpp"
 
@@ -19,6 +23,7 @@ struct RunCliOptions {
   std::string log_dir;
   bool quiet = false;
   bool ascii = false;
+  ClusterFlags cluster;
 };
 
 int run_run(const RunCliOptions& o) {
@@ -29,6 +34,16 @@ int run_run(const RunCliOptions& o) {
   if (!o.log_dir.empty()) r.log_dir = o.log_dir;
   r.quiet = o.quiet;
   r.ascii = o.ascii;
+  r.connect = [cluster = o.cluster](const core::Job& job) {
+    const std::string address = cluster.resolve(job.address);
+    if (address.empty()) {
+      throw ConfigError(
+          fmt::format("{}: mode = \"remote\" needs the cluster's address: set job.address = "
+                      "\"tcp://HEAD:7100\", pass --address, or set TWINKLE_ADDRESS",
+                      job.file.string()));
+    }
+    return core::cluster::connect_site(address, cluster.keys);
+  };
   const core::RunResult result = core::run_job(r);
   switch (result.outcome) {
     case core::RunResult::Outcome::ok: return kExitOk;
@@ -55,6 +70,7 @@ void setup_run(CLI::App& app, Action& action) {
   sub->add_option("--log-dir", o->log_dir, "Also keep each worker's output in DIR/GROUP-RANK.log");
   sub->add_flag("--quiet", o->quiet, "Show only the driver's output, not the workers'");
   sub->add_flag("--ascii", o->ascii, "Draw the topology with plain ASCII");
+  add_cluster_flags(sub, o->cluster);
   sub->callback([o, &action] { action = [o] { return run_run(*o); }; });
 }
 

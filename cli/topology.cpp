@@ -4,7 +4,9 @@
 
 #include <fmt/format.h>
 
+#include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
+#include "core/cluster/remote_site.hpp"
 #include "core/job/job.hpp"
 #include "core/job/placement.hpp"
 #include "core/job/topology.hpp"
@@ -19,12 +21,25 @@ struct TopologyOptions {
   std::vector<std::string> overrides;
   bool json = false;
   bool ascii = false;
+  ClusterFlags cluster;
 };
 
 int run_topology(const TopologyOptions& o) {
   std::vector<core::Override> overrides;
   for (const auto& s : o.overrides) overrides.push_back(core::parse_override(s));
   core::Job job = core::load_job(o.job_file, overrides);
+  const std::string address =
+      job.mode == core::Mode::remote ? o.cluster.resolve(job.address) : std::string();
+  if (!address.empty()) {
+    // Remote mode with a cluster: where the head would put every rank now (nothing reserved).
+    core::Placement placement = core::cluster::connect_site(address, o.cluster.keys)->plan(job);
+    if (o.json) {
+      fmt::print("{}\n", core::topology_json(job, placement).dump(2));
+    } else {
+      fmt::print("{}", core::render_topology(job, placement, {o.ascii}));
+    }
+    return 0;
+  }
   core::NodeResources local = core::discover_local(o.gpus);
   if (o.gpus && local.gpu_source != core::GpuSource::declared &&
       static_cast<int>(local.gpus.size()) != *o.gpus) {
@@ -55,6 +70,7 @@ void setup_topology(CLI::App& app, Action& action) {
       ->allow_extra_args(false);
   sub->add_flag("--json", o->json, "Print the topology as JSON for scripts");
   sub->add_flag("--ascii", o->ascii, "Draw with plain ASCII instead of box-drawing characters");
+  add_cluster_flags(sub, o->cluster);
   sub->callback([o, &action] { action = [o] { return run_topology(*o); }; });
 }
 

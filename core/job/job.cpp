@@ -23,6 +23,24 @@ namespace twinkle::core {
 std::string_view to_string(Mode m) { return m == Mode::local ? "local" : "remote"; }
 std::string_view to_string(DeviceType d) { return d == DeviceType::cpu ? "cpu" : "cuda"; }
 
+std::string_view to_string(PlacementStrategy s) {
+  switch (s) {
+    case PlacementStrategy::pack: return "pack";
+    case PlacementStrategy::spread: return "spread";
+    case PlacementStrategy::strict_pack: return "strict_pack";
+    case PlacementStrategy::strict_spread: return "strict_spread";
+  }
+  return "pack";
+}
+
+std::optional<PlacementStrategy> placement_strategy(std::string_view text) {
+  for (auto s : {PlacementStrategy::pack, PlacementStrategy::spread, PlacementStrategy::strict_pack,
+                 PlacementStrategy::strict_spread}) {
+    if (text == to_string(s)) return s;
+  }
+  return std::nullopt;
+}
+
 const GroupSpec* Job::find_group(std::string_view n) const {
   for (const auto& g : groups) {
     if (g.name == n) return &g;
@@ -365,7 +383,7 @@ class JobReader {
   void read_job(const toml::table& t, Job& job) {
     check_keys(t, "job",
                {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
-                "nproc_per_node"});
+                "nproc_per_node", "queue_timeout_s", "placement"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -428,13 +446,33 @@ class JobReader {
     }
     if (auto n = t.get("nproc_per_node"))
       job.nproc_per_node = get_positive_int(*n, "job.nproc_per_node");
+    if (auto n = t.get("queue_timeout_s")) {
+      job.queue_timeout_s = get_number(*n, "job.queue_timeout_s");
+      if (!(job.queue_timeout_s >= 0 && job.queue_timeout_s <= kMaxTimeoutS)) {
+        fail(*n, "job.queue_timeout_s",
+             fmt::format("job.queue_timeout_s must be at least 0 and at most {:g} (7 days), not {}",
+                         kMaxTimeoutS, job.queue_timeout_s));
+      }
+    }
+    if (auto n = t.get("placement")) job.placement = read_strategy(*n, "job.placement");
+  }
+
+  PlacementStrategy read_strategy(const toml::node& n, const std::string& path) const {
+    const std::string v = get_string(n, path);
+    if (auto s = placement_strategy(v)) return *s;
+    auto hint = closest_match(v, {"pack", "spread", "strict_pack", "strict_spread"});
+    fail(n, path,
+         fmt::format("{} must be \"pack\", \"spread\", \"strict_pack\" or \"strict_spread\", "
+                     "not \"{}\"{}",
+                     path, v, hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
   }
 
   GroupSpec read_group(const toml::table& t, const std::string& path, int next_rank) {
     GroupSpec g;
     g.where = SourceRef{where(t, path)};
     auto declared_name = t["name"].value<std::string>();
-    check_keys(t, "[[group]]", {"name", "ranks", "device", "gpus_per_worker", "mesh"},
+    check_keys(t, "[[group]]",
+               {"name", "ranks", "device", "gpus_per_worker", "mesh", "placement", "labels"},
                declared_name ? "group." + *declared_name : path);
     const toml::node* name = t.get("name");
     if (!name)
@@ -520,6 +558,12 @@ class JobReader {
              fmt::format("{}: gpus_per_worker applies to cuda groups only; set device = \"cuda\" "
                          "or remove it",
                          label));
+      }
+    }
+    if (auto n = t.get("placement")) g.placement = read_strategy(*n, gp + ".placement");
+    if (auto n = t.get("labels")) {
+      for (const auto& [k, v] : get_table(*n, gp + ".labels")) {
+        g.labels[std::string(k.str())] = get_string(v, gp + ".labels." + std::string(k.str()));
       }
     }
     if (auto n = t.get("mesh")) {

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,9 @@ namespace twinkle::core {
 
 enum class Mode { local, remote };
 enum class DeviceType { cpu, cuda };
+// How a group's workers spread over a cluster's nodes (Ray's placement strategies): pack onto as
+// few nodes as possible, or spread over as many, best effort or strict.
+enum class PlacementStrategy { pack, spread, strict_pack, strict_spread };
 
 // Limits of a job file (documented in twinkle-job(5)).
 inline constexpr std::size_t kMaxJobFileBytes = 1 << 20;  // 1 MiB
@@ -24,6 +28,8 @@ inline constexpr double kMaxTimeoutS = 7 * 86400.0;
 
 std::string_view to_string(Mode m);
 std::string_view to_string(DeviceType d);
+std::string_view to_string(PlacementStrategy s);
+std::optional<PlacementStrategy> placement_strategy(std::string_view text);
 
 // Where a value came from: "job.toml:12:9", or "--set group.model.ranks" for an override.
 struct SourceRef {
@@ -36,8 +42,10 @@ struct GroupSpec {
   DeviceType device = DeviceType::cpu;
   int gpus_per_worker = 1;
   DeviceMesh mesh = DeviceMesh::data_parallel(1);
-  SourceRef where;        // the [[group]] table
-  SourceRef ranks_where;  // its ranks key (or the table when absent)
+  std::optional<PlacementStrategy> placement;  // remote mode; unset: the job's
+  std::map<std::string, std::string> labels;   // remote mode: nodes must carry all of them
+  SourceRef where;                             // the [[group]] table
+  SourceRef ranks_where;                       // its ranks key (or the table when absent)
 
   int workers() const { return static_cast<int>(ranks.size()); }
 };
@@ -61,7 +69,9 @@ struct Job {
   double timeout_s = 600;
   std::string collectives = "auto";  // "auto" | "shm" | "gloo": the cpu groups' backend
   std::string address;
-  int nproc_per_node = 0;  // 0: not set
+  int nproc_per_node = 0;        // 0: not set
+  double queue_timeout_s = 300;  // remote mode: how long to wait for busy devices
+  PlacementStrategy placement = PlacementStrategy::pack;
   std::vector<GroupSpec> groups;
   Value args = Value::map();  // [args], free-form
   std::optional<NotifySpec> notify;

@@ -22,7 +22,7 @@ std::string gpu_source_fix(const NodeResources& local) {
 }
 
 void place_local(const Job& job, Placement& p) {
-  p.nodes.push_back(NodeSlot{p.local.hostname, false});
+  p.nodes.push_back(NodeSlot{p.local.hostname, false, "", ""});
   // cuda workers in global rank order take consecutive GPUs.
   struct Slot {
     int rank;
@@ -97,7 +97,8 @@ void plan_remote(const Job& job, Placement& p) {
     }
     p.groups.push_back(std::move(gp));
   }
-  for (int n = 0; n <= max_node; ++n) p.nodes.push_back(NodeSlot{fmt::format("node{}", n), true});
+  for (int n = 0; n <= max_node; ++n)
+    p.nodes.push_back(NodeSlot{fmt::format("node{}", n), true, "", ""});
 }
 
 }  // namespace

@@ -24,6 +24,8 @@ struct GroupPlacement {
 struct NodeSlot {
   std::string host;
   bool planned = false;  // remote mode without a cluster: a node the job will need
+  std::string id;        // remote mode: the cluster's node id
+  std::string address;   // remote mode: where the node's peers reach it
 };
 
 // Ranks -> nodes -> devices for every group (DESIGN.md section 4).

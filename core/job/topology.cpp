@@ -260,8 +260,9 @@ std::string render_topology(const Job& job, const Placement& p, TopologyStyle st
       summary += fmt::format(" ({})", to_string(p.local.gpu_source));
   } else {
     summary += fmt::format(" {} {} node{}", g.h, p.nodes.size(), p.nodes.size() == 1 ? "" : "s");
-    if (job.nproc_per_node) summary += fmt::format(" of {} GPUs", job.nproc_per_node);
-    summary += " (planned)";
+    const bool planned = !p.nodes.empty() && p.nodes[0].planned;
+    if (planned && job.nproc_per_node) summary += fmt::format(" of {} GPUs", job.nproc_per_node);
+    summary += planned ? " (planned)" : " (reserved)";
   }
   Canvas tmp(g);
   std::string out = c.text() + tmp.fit(summary, kWidth) + "\n";
@@ -282,7 +283,14 @@ nlohmann::json topology_json(const Job& job, const Placement& p) {
   j["world_size"] = job.world_size();
   j["gpu_source"] = std::string(to_string(p.local.gpu_source));
   j["nodes"] = json::array();
-  for (const auto& n : p.nodes) j["nodes"].push_back({{"host", n.host}, {"planned", n.planned}});
+  for (const auto& n : p.nodes) {
+    json node = {{"host", n.host}, {"planned", n.planned}};
+    if (!n.id.empty()) {
+      node["id"] = n.id;
+      node["address"] = n.address;
+    }
+    j["nodes"].push_back(std::move(node));
+  }
   j["groups"] = json::array();
   for (const auto& gp : p.groups) {
     const GroupSpec& g = *gp.group;

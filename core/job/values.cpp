@@ -24,16 +24,41 @@ DeviceMesh mesh_from_value(const Value& v) {
   }
 }
 
+namespace {
+
+PlacementStrategy strategy(const std::string& text) {
+  auto s = placement_strategy(text);
+  if (!s) throw ValueError("placement " + text);
+  return *s;
+}
+
+}  // namespace
+
+Value labels_to_value(const std::map<std::string, std::string>& labels) {
+  Value out = Value::map();
+  for (const auto& [k, v] : labels) out[k] = v;
+  return out;
+}
+
+std::map<std::string, std::string> labels_from_value(const Value& v) {
+  std::map<std::string, std::string> out;
+  for (const auto& [k, item] : v.map_items()) out[k] = item.as<std::string>();
+  return out;
+}
+
 Value job_to_value(const Job& job) {
   Value groups = Value::list();
   for (const auto& g : job.groups) {
-    groups.push_back(Value::map({{"name", g.name},
-                                 {"ranks", Value(g.ranks)},
-                                 {"device", std::string(to_string(g.device))},
-                                 {"gpus_per_worker", g.gpus_per_worker},
-                                 {"mesh", mesh_to_value(g.mesh)},
-                                 {"where", g.where.text},
-                                 {"ranks_where", g.ranks_where.text}}));
+    groups.push_back(Value::map(
+        {{"name", g.name},
+         {"ranks", Value(g.ranks)},
+         {"device", std::string(to_string(g.device))},
+         {"gpus_per_worker", g.gpus_per_worker},
+         {"mesh", mesh_to_value(g.mesh)},
+         {"placement", g.placement ? std::string(to_string(*g.placement)) : std::string()},
+         {"labels", labels_to_value(g.labels)},
+         {"where", g.where.text},
+         {"ranks_where", g.ranks_where.text}}));
   }
   Value out = Value::map({{"file", job.file.string()},
                           {"name", job.name},
@@ -46,6 +71,8 @@ Value job_to_value(const Job& job) {
                           {"timeout_s", job.timeout_s},
                           {"address", job.address},
                           {"nproc_per_node", job.nproc_per_node},
+                          {"queue_timeout_s", job.queue_timeout_s},
+                          {"placement", std::string(to_string(job.placement))},
                           {"groups", groups},
                           {"args", job.args}});
   if (job.notify) {
@@ -72,6 +99,8 @@ Job job_from_value(const Value& v) {
     job.timeout_s = v["timeout_s"].as<double>();
     job.address = v["address"].as<std::string>();
     job.nproc_per_node = v["nproc_per_node"].as<int>();
+    job.queue_timeout_s = v["queue_timeout_s"].as<double>();
+    job.placement = strategy(v["placement"].as<std::string>());
     for (const auto& g : v["groups"]) {
       GroupSpec s;
       s.name = g["name"].as<std::string>();
@@ -81,6 +110,8 @@ Job job_from_value(const Value& v) {
       s.device = device == "cpu" ? DeviceType::cpu : DeviceType::cuda;
       s.gpus_per_worker = g["gpus_per_worker"].as<int>();
       s.mesh = mesh_from_value(g["mesh"]);
+      if (const auto p = g["placement"].as<std::string>(); !p.empty()) s.placement = strategy(p);
+      s.labels = labels_from_value(g["labels"]);
       s.where.text = g["where"].as<std::string>();
       s.ranks_where.text = g["ranks_where"].as<std::string>();
       job.groups.push_back(std::move(s));

@@ -14,6 +14,10 @@ DeviceMesh mesh_from_value(const Value& v);
 
 // A whole job and back: job_from_value(job_to_value(j)) equals j field by field. Throws
 // TransportError naming the field for a malformed description.
+// Node and group labels ({key: value}).
+Value labels_to_value(const std::map<std::string, std::string>& labels);
+std::map<std::string, std::string> labels_from_value(const Value& v);
+
 Value job_to_value(const Job& job);
 Job job_from_value(const Value& v);
 

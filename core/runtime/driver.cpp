@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -32,7 +33,9 @@
 #include "core/runtime/worker_env.hpp"
 #include "plugins/loader.hpp"
 #include "transports/fd.hpp"
+#include "transports/zmq/auth.hpp"
 #include "transports/zmq/channel.hpp"
+#include "transports/zmq/curve.hpp"
 #include "transports/zmq/kv.hpp"
 #include "twinkle/errors.hpp"
 
@@ -106,15 +109,26 @@ class JobRun : public DriverOps {
     // default action, or vanish where the shell ignores SIGINT for background jobs.
     block_stop_signals();
     job_ = load_job(options_.job_file, options_.overrides);
-    if (job_.mode == Mode::remote) {
-      throw ConfigError(
-          fmt::format("{}: mode = \"remote\" needs a cluster, which this twinkle cannot run yet; "
-                      "use mode = \"local\"",
-                      job_.file.string()));
-    }
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
-    const NodeResources local = discover_local(options_.gpus);
-    placement_ = place(job_, local);
+    run_id_ = make_run_id();
+    if (job_.mode == Mode::remote) {
+      if (!options_.connect) {
+        throw ConfigError(
+            fmt::format("{}: mode = \"remote\" needs a cluster address", job_.file.string()));
+      }
+      site_ = options_.connect(job_);
+      auto reserved = site_->reserve(
+          job_, run_id_, [this](std::chrono::milliseconds d) { return !stop_signal_within(d); });
+      if (!reserved) {
+        std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
+                     signal_name(signal_.load()));
+        return {RunResult::Outcome::interrupted, signal_.load()};
+      }
+      placement_ = std::move(*reserved);
+    } else {
+      const NodeResources local = discover_local(options_.gpus);
+      placement_ = place(job_, local);
+    }
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
     std::fflush(stdout);
 
@@ -203,7 +217,6 @@ class JobRun : public DriverOps {
   // Everything a run needs before its workers start: the run folder, the channel, the rendezvous
   // store, the call table, the launcher and each worker's environment.
   void prepare() {
-    run_id_ = make_run_id();
     run_dir_ = std::make_unique<RunDir>(run_id_);
 
     std::vector<std::string> identities;
@@ -225,34 +238,79 @@ class JobRun : public DriverOps {
       }
       groups.push_back(std::move(g));
     }
-    channel_ =
-        std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"), identities);
-    kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
+
+    std::vector<std::string> base;
+    std::vector<Rendezvous> rendezvous;
+    if (site_) {
+      // Every socket of the run uses CURVE when the cluster does: the driver's key pair and the
+      // workers' are made for this run and reach the workers through the (authenticated) agents.
+      transport::SocketSecurity driver_side, worker_side;
+      if (site_->secure()) {
+        driver_side.keys = transport::generate_keypair();
+        worker_side.keys = transport::generate_keypair();
+        worker_side.server_key = driver_side.keys->public_key;
+        gate_ = std::make_unique<transport::KeyGate>(
+            zmq_, std::set<std::string>{worker_side.keys->public_key}, [](const std::string& line) {
+              std::fprintf(stderr, "twinkle: %s\n", line.c_str());
+              std::fflush(stderr);
+            });
+      }
+      const std::string address = site_->driver_address();
+      channel_ =
+          std::make_unique<transport::TcpDriverChannel>(zmq_, address, identities, driver_side);
+      kv_ = std::make_unique<transport::KvServer>(zmq_, fmt::format("tcp://{}:*", address),
+                                                  driver_side);
+      RemoteSite::Launch launch{job_.plugin_path, channel_->endpoint(), worker_side,
+                                options_.log_dir, options_.quiet};
+      launcher_ = site_->launcher(job_, placement_, std::move(launch), *channel_);
+      // Workers run elsewhere: they get Twinkle's variables, not this machine's environment.
+      std::mt19937 pick(std::random_device{}());
+      for (const auto& gp : placement_.groups) {
+        const int first = gp.workers.empty() ? 0 : gp.workers.front().node;
+        rendezvous.push_back(Rendezvous{placement_.nodes.at(first).address,
+                                        std::uniform_int_distribution<int>(20000, 39999)(pick)});
+      }
+    } else {
+      auto local = std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"),
+                                                                   identities);
+      kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
+      LocalLaunchOptions lo;
+      lo.exe = self_exe();
+      lo.plugin = job_.plugin_path;
+      lo.run_dir = run_dir_->path();
+      lo.log_dir = options_.log_dir;
+      lo.quiet = options_.quiet;
+      launcher_ = std::make_unique<LocalLauncher>(lo, *local);
+      channel_ = std::move(local);
+      for (char** e = environ; *e; ++e) base.emplace_back(*e);
+      for (int port : free_ports(placement_.groups.size()))
+        rendezvous.push_back(Rendezvous{"127.0.0.1", port});
+    }
     CustomFunctions custom{[this](std::string_view n) { return plugin_->find_dispatcher(n); },
                            [this](std::string_view n) { return plugin_->find_collector(n); }};
     table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
                                          std::move(custom), job_.timeout_s);
 
-    LocalLaunchOptions lo;
-    lo.exe = self_exe();
-    lo.plugin = job_.plugin_path;
-    lo.run_dir = run_dir_->path();
-    lo.log_dir = options_.log_dir;
-    lo.quiet = options_.quiet;
-    launcher_ = std::make_unique<LocalLauncher>(lo, *channel_);
-
-    std::vector<std::string> base;
-    for (char** e = environ; *e; ++e) base.emplace_back(*e);
-    const std::vector<int> ports = free_ports(placement_.groups.size());
     const RunInfo run{run_id_, job_.mode, job_.seed};
     for (std::size_t gi = 0; gi < placement_.groups.size(); ++gi) {
       const auto& gp = placement_.groups[gi];
       for (std::size_t wi = 0; wi < gp.workers.size(); ++wi) {
-        launches_.push_back(
-            {fmt::format("{}:{}", gp.group->name, gp.workers[wi].index),
-             worker_env(base, placement_, gi, wi, Rendezvous{"127.0.0.1", ports[gi]}, run)});
+        launches_.push_back({fmt::format("{}:{}", gp.group->name, gp.workers[wi].index),
+                             worker_env(base, placement_, gi, wi, rendezvous[gi], run)});
       }
     }
+  }
+
+  // Waits up to `d` for a stop signal (they are blocked: nothing else takes them before the
+  // signal thread starts); true when one came.
+  bool stop_signal_within(std::chrono::milliseconds d) {
+    const sigset_t set = stop_signals();
+    timespec t{static_cast<time_t>(d.count() / 1000),
+               static_cast<long>(d.count() % 1000) * 1000000};
+    const int sig = sigtimedwait(&set, nullptr, &t);
+    if (sig <= 0) return false;
+    signal_ = sig;
+    return true;
   }
 
   Value welcome(const WorkerInfo& w) const {
@@ -328,7 +386,7 @@ class JobRun : public DriverOps {
   RunResult finish(bool ok, const std::string& error) {
     driver_returned();
     if (const int sig = signal_.load()) {
-      launcher_->stop(std::chrono::milliseconds(0));
+      if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
       std::fflush(stdout);
       std::fprintf(stderr, "\ntwinkle: interrupted by %s; stopped all workers\n", signal_name(sig));
       return {RunResult::Outcome::interrupted, sig};
@@ -373,12 +431,14 @@ class JobRun : public DriverOps {
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
+  std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;
   zmq::context_t zmq_;
-  std::unique_ptr<transport::LocalDriverChannel> channel_;
+  std::unique_ptr<transport::KeyGate> gate_;  // remote mode with keys: admits the run's workers
+  std::unique_ptr<transport::RouterDriverChannel> channel_;
   std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<CallTable> table_;
-  std::unique_ptr<LocalLauncher> launcher_;
+  std::unique_ptr<Launcher> launcher_;
   std::thread signal_thread_;
   std::atomic<bool> stop_signals_{false};
   std::atomic<int> signal_{0};

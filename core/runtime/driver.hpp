@@ -1,11 +1,14 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/job/job.hpp"
+#include "core/runtime/launcher.hpp"
 
 namespace twinkle::core {
 
@@ -16,6 +19,8 @@ struct RunOptions {
   std::optional<std::filesystem::path> log_dir;  // one log file per rank
   bool quiet = false;                            // worker output off the terminal
   bool ascii = false;                            // topology in plain ASCII
+  // Remote mode: connects to the cluster at the job's address (the cli picks the site).
+  std::function<std::unique_ptr<RemoteSite>(const Job&)> connect;
 };
 
 // How a run ended.

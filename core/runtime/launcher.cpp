@@ -13,7 +13,7 @@ namespace twinkle::core {
 LocalLauncher::LocalLauncher(LocalLaunchOptions options, transport::LocalDriverChannel& channel)
     : options_(std::move(options)),
       channel_(channel),
-      spawner_(SpawnerOptions{options_.log_dir, options_.quiet},
+      spawner_(SpawnerOptions{options_.log_dir, options_.quiet, 20, {}},
                [this](const ProcessExit& e) { on_exit(e); }) {}
 
 LocalLauncher::~LocalLauncher() { stop(std::chrono::milliseconds(0)); }

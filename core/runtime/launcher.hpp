@@ -5,11 +5,14 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/job/job.hpp"
+#include "core/job/placement.hpp"
 #include "core/runtime/spawner.hpp"
 #include "transports/zmq/channel.hpp"
 
@@ -36,6 +39,38 @@ class Launcher {
   virtual std::vector<std::string> stop(std::chrono::milliseconds grace) = 0;
   // Async-signal-safe: kills every worker now.
   virtual void kill_now() const noexcept = 0;
+};
+
+// What a remote-mode run gets from its cluster (DESIGN.md section 10). core/cluster implements
+// it; the cli hands run_job a way to connect to one, so the driver never sees the head's protocol.
+class RemoteSite {
+ public:
+  virtual ~RemoteSite() = default;
+  // Waits up to the given time; false when the wait was interrupted (a stop signal came).
+  using Wait = std::function<bool(std::chrono::milliseconds)>;
+  // Reserves devices for `job` as run `run_id` and says where each worker runs; while the
+  // cluster is busy it says who holds the devices and waits (through `wait`) up to the job's
+  // queue_timeout_s. Throws ConfigError when the job can never fit (listing what the cluster
+  // has), Error when the wait runs out; returns nullopt when interrupted.
+  virtual std::optional<Placement> reserve(const Job& job, const std::string& run_id,
+                                           const Wait& wait) = 0;
+  // Where the job would run now, reserving nothing (`twinkle topology`).
+  virtual Placement plan(const Job& job) = 0;
+  // The address of this machine that the cluster's nodes reach it on.
+  virtual std::string driver_address() const = 0;
+  // Whether the cluster uses keys: then the run's sockets use CURVE too.
+  virtual bool secure() const = 0;
+
+  struct Launch {
+    std::filesystem::path plugin;
+    std::string endpoint;              // the driver's channel
+    transport::SocketSecurity worker;  // the workers' keys for it
+    std::optional<std::filesystem::path> log_dir;
+    bool quiet = false;
+  };
+  // The launcher of the reserved run: it starts workers through the nodes' agents.
+  virtual std::unique_ptr<Launcher> launcher(const Job& job, const Placement& placement,
+                                             Launch launch, transport::DriverChannel& channel) = 0;
 };
 
 struct LocalLaunchOptions {

@@ -175,6 +175,10 @@ void Spawner::write_line(Proc& p, bool is_stderr, const std::string& line) {
     if (p.tail.size() > options_.stderr_tail) p.tail.pop_front();
   }
   if (p.log) write_all(p.log.get(), line + '\n');
+  if (options_.on_line) {
+    options_.on_line(p.name, is_stderr, line);
+    return;
+  }
   if (options_.quiet) return;
   std::lock_guard lock(out_mu_);
   write_all(is_stderr ? 2 : 1, fmt::format("[{}] {}\n", p.name, line));

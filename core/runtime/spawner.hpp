@@ -47,6 +47,8 @@ struct SpawnerOptions {
   std::optional<std::filesystem::path> log_dir;  // one <name>.log per process, both streams
   bool quiet = false;                            // keep process output off the terminal
   std::size_t stderr_tail = 20;                  // lines of stderr kept for ProcessExit
+  // Where output lines go instead of the terminal (a node agent relays them to the driver).
+  std::function<void(const std::string& name, bool is_stderr, const std::string& line)> on_line;
 };
 
 // Starts processes and watches them, for the local launcher and the node agent:

@@ -107,9 +107,30 @@ class Worker {
     world_ = env_int("WORLD_SIZE", 1);
     local_rank_ = env_int("LOCAL_RANK", rank_);
     local_world_ = env_int("LOCAL_WORLD_SIZE", world_);
-    const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
-    link_ =
-        transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
+    if (o.endpoint.starts_with("tcp://")) {
+      // A remote worker: CURVE with the run's keys (handed over by its agent) when the cluster
+      // uses keys. Losing the driver's connection ends the worker and what it started: its calls
+      // are lost with it, and nobody else would stop it.
+      if (const char* pub = std::getenv("TWINKLE_CURVE_PUBLIC")) {
+        security_.keys = transport::KeyPair{pub, env_str("TWINKLE_CURVE_SECRET")};
+        security_.server_key = env_str("TWINKLE_CURVE_SERVER");
+      }
+      for (const char* v : {"TWINKLE_CURVE_PUBLIC", "TWINKLE_CURVE_SECRET", "TWINKLE_CURVE_SERVER"})
+        ::unsetenv(v);  // not for the plugin, nor for what it starts
+      node_ip_ = env_str("TWINKLE_NODE_IP");
+      const std::string name = name_;
+      link_ = transport::connect_tcp_worker(
+          zmq_, o.endpoint, name_, security_, [name](const std::string& why) {
+            std::fprintf(stderr, "twinkle worker %s: %s; exiting\n", name.c_str(), why.c_str());
+            std::fflush(stderr);
+            kill(0, SIGKILL);
+            _exit(1);
+          });
+    } else {
+      const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
+      link_ =
+          transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
+    }
     host_.size = sizeof host_;
     host_.abi_version = TWK_ABI_VERSION;
     host_.log = &log_line;
@@ -241,7 +262,8 @@ class Worker {
         config.size = static_cast<int>(groups[i].size());
       }
     }
-    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_);
+    if (!node_ip_.empty()) config.host = node_ip_;
+    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_, security_);
     std::unique_ptr<transport::Communicator> c;
     if (device_ == "cuda") {
       c = transport::create_nccl_communicator(*kv_, config);
@@ -364,6 +386,8 @@ class Worker {
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<transport::KvClient> kv_;
   std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
+  transport::SocketSecurity security_;  // remote workers: the run's keys
+  std::string node_ip_;                 // remote workers: where peers reach this node
 };
 
 }  // namespace

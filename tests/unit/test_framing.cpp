@@ -108,8 +108,9 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
     Frames f = reply_frames();
     put_u16(f, 4, 1);
     CHECK(error_of(std::move(f)) ==
-          "protocol version 1 from the peer, this twinkle speaks 2; run the same twinkle build "
-          "everywhere");
+          fmt::format("protocol version 1 from the peer, this twinkle speaks {}; run the same "
+                      "twinkle build everywhere",
+                      twinkle::transport::kProtocolVersion));
   }
   SECTION("an unknown type") {
     Frames f = reply_frames();
@@ -118,6 +119,9 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
     Frames zero = reply_frames();
     put_u16(zero, 6, 0);
     CHECK(error_of(std::move(zero)) == "malformed message: unknown type 0");
+    Frames gap = reply_frames();
+    put_u16(gap, 6, 15);  // between the worker and the cluster messages
+    CHECK(error_of(std::move(gap)) == "malformed message: unknown type 15");
   }
   SECTION("a framing frame that is not [tensors, released]") {
     Frames f = reply_frames();

@@ -3,6 +3,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -48,12 +49,64 @@ class LocalWorkerLink : public WorkerLink {
   std::unique_ptr<ShmChannel> shm_;
 };
 
+class TcpWorkerLink : public WorkerLink {
+ public:
+  TcpWorkerLink(zmq::context_t& context, const std::string& endpoint, const std::string& identity,
+                const SocketSecurity& security, std::function<void(const std::string&)> on_lost)
+      : socket_(make_socket(context, zmq::socket_type::dealer)) {
+    socket_.set(zmq::sockopt::routing_id, identity);
+    socket_.set(zmq::sockopt::linger, 2000);
+    secure_client(socket_, security);
+    set_heartbeats(socket_, kHeartbeatInterval, kHeartbeatTimeout);
+    // A connection to the driver that was made and is gone means the driver died or the network
+    // failed: the calls in flight are lost with it, so the worker must not wait for more.
+    watch_ = std::make_unique<ConnectionWatch>(
+        context, socket_,
+        [this, endpoint, on_lost = std::move(on_lost)](ConnectionWatch::Event e, const std::string&,
+                                                       const std::string& detail) {
+          if (e == ConnectionWatch::Event::handshake_ok) {
+            connected_ = true;
+          } else if (e == ConnectionWatch::Event::disconnected && connected_.exchange(false)) {
+            on_lost(fmt::format("the connection to the driver at {} is gone", endpoint));
+          } else if (e == ConnectionWatch::Event::refused_auth ||
+                     e == ConnectionWatch::Event::refused_protocol) {
+            on_lost(fmt::format("the driver at {} refused this worker: {}", endpoint,
+                                detail.empty() ? "its key is not the run's" : detail));
+          }
+        });
+    socket_.connect(endpoint);
+  }
+  ~TcpWorkerLink() override { watch_.reset(); }
+  void send(const Message& m) override { send_message(socket_, m); }
+  std::optional<Message> recv(std::chrono::milliseconds timeout) override {
+    return recv_message(socket_, static_cast<int>(timeout.count()));
+  }
+  Value adopt(const twk_value_v1& v) override { return decode(v); }
+
+ private:
+  zmq::socket_t socket_;
+  std::atomic<bool> connected_{false};
+  std::unique_ptr<ConnectionWatch> watch_;
+};
+
 }  // namespace
+
+RouterDriverChannel::RouterDriverChannel(zmq::context_t& context,
+                                         std::vector<std::string> identities)
+    : router_(make_socket(context, zmq::socket_type::router)), identities_(std::move(identities)) {
+  router_.set(zmq::sockopt::router_mandatory, 1);
+  for (std::size_t i = 0; i < identities_.size(); ++i) by_identity_.emplace(identities_[i], i);
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_)
+    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+}
+
+RouterDriverChannel::~RouterDriverChannel() = default;
 
 LocalDriverChannel::LocalDriverChannel(zmq::context_t& context,
                                        const std::filesystem::path& socket_path,
                                        std::vector<std::string> identities)
-    : router_(make_socket(context, zmq::socket_type::router)), identities_(std::move(identities)) {
+    : RouterDriverChannel(context, std::move(identities)) {
   const std::string path = socket_path.string();
   if (path.size() > kMaxSocketPath) {
     throw TransportError(fmt::format(
@@ -62,21 +115,33 @@ LocalDriverChannel::LocalDriverChannel(zmq::context_t& context,
         path, path.size(), kMaxSocketPath));
   }
   endpoint_ = "ipc://" + path;
-  router_.set(zmq::sockopt::router_mandatory, 1);
   try {
     router_.bind(endpoint_);
   } catch (const zmq::error_t& e) {
     throw TransportError(fmt::format("cannot bind the control socket {}: {}", endpoint_, e.what()));
   }
   for (std::size_t i = 0; i < identities_.size(); ++i) {
-    by_identity_.emplace(identities_[i], i);
     FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
     shm_.push_back(std::make_unique<ShmChannel>(pair.first.release(), &pool_));
     worker_ends_.push_back(std::move(pair.second));
   }
-  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_)
-    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+}
+
+TcpDriverChannel::TcpDriverChannel(zmq::context_t& context, const std::string& host,
+                                   std::vector<std::string> identities,
+                                   const SocketSecurity& security)
+    : RouterDriverChannel(context, std::move(identities)) {
+  secure_server(router_, security);
+  set_heartbeats(router_, kHeartbeatInterval, kHeartbeatTimeout);
+  const std::string want = fmt::format("tcp://{}:*", host);
+  try {
+    router_.bind(want);
+  } catch (const zmq::error_t& e) {
+    throw TransportError(
+        fmt::format("cannot bind the driver's socket {}: {}; is {} an address of this machine?",
+                    want, e.what(), host));
+  }
+  endpoint_ = router_.get(zmq::sockopt::last_endpoint);
 }
 
 LocalDriverChannel::~LocalDriverChannel() = default;
@@ -85,15 +150,15 @@ Fd LocalDriverChannel::take_worker_end(std::size_t peer) {
   return std::move(worker_ends_.at(peer));
 }
 
-void LocalDriverChannel::send(std::size_t peer, const Message& m) {
+void RouterDriverChannel::send(std::size_t peer, const Message& m) {
   try {
-    send_message(router_, m, &identities_.at(peer), shm_.at(peer).get());
+    send_message(router_, m, &identities_.at(peer), shm_of(peer));
   } catch (const zmq::error_t& e) {
     throw TransportError(fmt::format("cannot reach worker {}: {}", identities_.at(peer), e.what()));
   }
 }
 
-void LocalDriverChannel::lost(std::size_t peer, std::string reason) {
+void RouterDriverChannel::lost(std::size_t peer, std::string reason) {
   {
     std::lock_guard lock(mu_);
     ChannelEvent e;
@@ -105,12 +170,12 @@ void LocalDriverChannel::lost(std::size_t peer, std::string reason) {
   wake();
 }
 
-void LocalDriverChannel::wake() {
+void RouterDriverChannel::wake() {
   const std::uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof one);
 }
 
-std::optional<ChannelEvent> LocalDriverChannel::take_pending() {
+std::optional<ChannelEvent> RouterDriverChannel::take_pending() {
   std::lock_guard lock(mu_);
   if (pending_.empty()) return std::nullopt;
   ChannelEvent e = std::move(pending_.front());
@@ -118,7 +183,7 @@ std::optional<ChannelEvent> LocalDriverChannel::take_pending() {
   return e;
 }
 
-void LocalDriverChannel::drop(const std::string& why) {
+void RouterDriverChannel::drop(const std::string& why) {
   ++dropped_;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_drop_log_ < std::chrono::seconds(1)) {
@@ -134,7 +199,7 @@ void LocalDriverChannel::drop(const std::string& why) {
   last_drop_log_ = now;
 }
 
-std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds timeout) {
+std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds timeout) {
   using Clock = std::chrono::steady_clock;
   const bool forever = timeout.count() < 0;
   const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
@@ -173,7 +238,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
     try {
       ChannelEvent e;
       e.peer = it->second;
-      e.message = decode_message(std::move(frames), shm_[it->second].get());
+      e.message = decode_message(std::move(frames), shm_of(it->second));
       return e;
     } catch (const TransportError& err) {
       drop(fmt::format("from worker {}: {}", identity, err.what()));
@@ -185,6 +250,17 @@ std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
                                                  const std::string& endpoint,
                                                  const std::string& identity, int shm_fd) {
   return std::make_unique<LocalWorkerLink>(context, endpoint, identity, shm_fd);
+}
+
+}  // namespace twinkle::transport
+
+namespace twinkle::transport {
+
+std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,
+                                               const std::string& identity,
+                                               const SocketSecurity& security,
+                                               std::function<void(const std::string&)> on_lost) {
+  return std::make_unique<TcpWorkerLink>(context, endpoint, identity, security, std::move(on_lost));
 }
 
 }  // namespace twinkle::transport

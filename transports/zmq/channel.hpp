@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -16,6 +17,7 @@
 
 #include "transports/fd.hpp"
 #include "transports/shm/segment.hpp"
+#include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
 
 // The worker channel: how the driver and its workers exchange messages, whatever carries them.
@@ -74,10 +76,45 @@ class WorkerLink {
   virtual Value adopt(const twk_value_v1& v) = 0;
 };
 
+// The driver's end as a ZeroMQ ROUTER: what local and TCP channels share (peers by identity,
+// lost and wake events through an eventfd, dropped messages counted and rate-limit logged).
+class RouterDriverChannel : public DriverChannel {
+ public:
+  ~RouterDriverChannel() override;
+
+  const std::string& endpoint() const override { return endpoint_; }
+  void send(std::size_t peer, const Message& m) override;
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
+  void lost(std::size_t peer, std::string reason) override;
+  void wake() override;
+  std::uint64_t dropped() const override { return dropped_; }
+
+ protected:
+  RouterDriverChannel(zmq::context_t& context, std::vector<std::string> identities);
+  // Peer's shared-memory channel, or null where there is none.
+  virtual ShmChannel* shm_of(std::size_t peer) = 0;
+
+  std::string endpoint_;
+  zmq::socket_t router_;
+  std::vector<std::string> identities_;
+
+ private:
+  void drop(const std::string& why);
+  std::optional<ChannelEvent> take_pending();
+
+  std::unordered_map<std::string, std::size_t> by_identity_;
+  Fd wake_;  // eventfd
+  std::mutex mu_;
+  std::deque<ChannelEvent> pending_;  // lost and wake events
+  std::uint64_t dropped_ = 0;
+  std::uint64_t dropped_unlogged_ = 0;
+  std::chrono::steady_clock::time_point last_drop_log_{};
+};
+
 // Local workers: a ZeroMQ ROUTER on a Unix socket, plus one descriptor channel per worker over
 // which tensors of kShmThreshold bytes or more travel as shared memory (segments from `pool`,
 // whose release acknowledgements ride in the framing).
-class LocalDriverChannel : public DriverChannel {
+class LocalDriverChannel : public RouterDriverChannel {
  public:
   // Binds ipc://`socket_path` (whose folder should be private to the run). `identities[i]` is
   // peer i's. Throws TransportError naming the path when it cannot bind (for example a path
@@ -90,31 +127,27 @@ class LocalDriverChannel : public DriverChannel {
   // (connect_local_worker's `shm_fd`). Once per peer.
   Fd take_worker_end(std::size_t peer);
 
-  const std::string& endpoint() const override { return endpoint_; }
-  void send(std::size_t peer, const Message& m) override;
-  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
-  void lost(std::size_t peer, std::string reason) override;
-  void wake() override;
-  std::uint64_t dropped() const override { return dropped_; }
   Value adopt(const twk_value_v1& v) override { return decode_to_shm(v, &pool_); }
 
  private:
-  void drop(const std::string& why);
-  std::optional<ChannelEvent> take_pending();
+  ShmChannel* shm_of(std::size_t peer) override { return shm_.at(peer).get(); }
 
-  std::string endpoint_;
-  zmq::socket_t router_;
-  std::vector<std::string> identities_;
-  std::unordered_map<std::string, std::size_t> by_identity_;
   ShmPool pool_;  // before the channels, which point to it
   std::vector<std::unique_ptr<ShmChannel>> shm_;
   std::vector<Fd> worker_ends_;
-  Fd wake_;  // eventfd
-  std::mutex mu_;
-  std::deque<ChannelEvent> pending_;  // lost and wake events
-  std::uint64_t dropped_ = 0;
-  std::uint64_t dropped_unlogged_ = 0;
-  std::chrono::steady_clock::time_point last_drop_log_{};
+};
+
+// Remote workers: a ZeroMQ ROUTER on TCP, bound to `host` on an ephemeral port, with CURVE when
+// `security` has keys (the context's KeyGate admits the run's worker key) and heartbeats, so that
+// a worker cut off from the driver is noticed on both sides. Tensors travel as zero-copy frames.
+class TcpDriverChannel : public RouterDriverChannel {
+ public:
+  TcpDriverChannel(zmq::context_t& context, const std::string& host,
+                   std::vector<std::string> identities, const SocketSecurity& security);
+  Value adopt(const twk_value_v1& v) override { return decode(v); }
+
+ private:
+  ShmChannel* shm_of(std::size_t) override { return nullptr; }
 };
 
 // A local worker's end: a DEALER with `identity` connected to `endpoint`, and its descriptor
@@ -122,5 +155,17 @@ class LocalDriverChannel : public DriverChannel {
 std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
                                                  const std::string& endpoint,
                                                  const std::string& identity, int shm_fd);
+
+}  // namespace twinkle::transport
+
+namespace twinkle::transport {
+
+// A remote worker's end: a DEALER with `identity` connected to the driver's TCP `endpoint` with
+// `security` and heartbeats. `on_lost` runs (on another thread) when the connection to the
+// driver, once made, is gone: the driver died or the network between them failed.
+std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,
+                                               const std::string& identity,
+                                               const SocketSecurity& security,
+                                               std::function<void(const std::string&)> on_lost);
 
 }  // namespace twinkle::transport

@@ -15,12 +15,21 @@
 
 namespace twinkle::transport {
 
-KvServer::KvServer(zmq::context_t& context, const std::string& endpoint)
+KvServer::KvServer(zmq::context_t& context, const std::string& endpoint,
+                   const SocketSecurity& security)
     : endpoint_(endpoint), context_(context) {
   // Bind here so that a bad endpoint fails the caller, then serve on the thread.
   auto socket = std::make_shared<zmq::socket_t>(context_, zmq::socket_type::router);
   socket->set(zmq::sockopt::linger, 0);
-  socket->bind(endpoint_);
+  secure_server(*socket, security);
+  try {
+    socket->bind(endpoint_);
+  } catch (const zmq::error_t& e) {
+    throw TransportError(
+        fmt::format("cannot bind the rendezvous store {}: {}", endpoint_, e.what()));
+  }
+  // "tcp://HOST:*" binds an ephemeral port: the endpoint is the one that was bound.
+  endpoint_ = socket->get(zmq::sockopt::last_endpoint);
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_)
     throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
@@ -80,9 +89,11 @@ void KvServer::serve(zmq::socket_t& socket) {
   }
 }
 
-KvClient::KvClient(zmq::context_t& context, const std::string& endpoint)
+KvClient::KvClient(zmq::context_t& context, const std::string& endpoint,
+                   const SocketSecurity& security)
     : socket_(context, zmq::socket_type::dealer) {
   socket_.set(zmq::sockopt::linger, 1000);
+  secure_client(socket_, security);
   socket_.connect(endpoint);
 }
 

@@ -10,6 +10,7 @@
 
 #include "transports/communicator.hpp"
 #include "transports/fd.hpp"
+#include "transports/zmq/auth.hpp"
 
 namespace twinkle::transport {
 
@@ -18,7 +19,10 @@ namespace twinkle::transport {
 // is busy in plugin code. A get for a key not set yet is answered when the key is set.
 class KvServer {
  public:
-  KvServer(zmq::context_t& context, const std::string& endpoint);
+  // Binds `endpoint` ("tcp://HOST:*" for an ephemeral port; endpoint() tells which), with CURVE
+  // when `security` has keys.
+  KvServer(zmq::context_t& context, const std::string& endpoint,
+           const SocketSecurity& security = {});
   KvServer(const KvServer&) = delete;
   KvServer& operator=(const KvServer&) = delete;
   ~KvServer();  // stops and joins the thread
@@ -38,7 +42,8 @@ class KvServer {
 // A worker's client of the KvServer. Thread-safe (one request at a time).
 class KvClient : public KvStore {
  public:
-  KvClient(zmq::context_t& context, const std::string& endpoint);
+  KvClient(zmq::context_t& context, const std::string& endpoint,
+           const SocketSecurity& security = {});
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
 

@@ -43,6 +43,26 @@ const char* to_string(MsgType t) {
     case MsgType::kv_set: return "kv_set";
     case MsgType::kv_get: return "kv_get";
     case MsgType::kv_value: return "kv_value";
+    case MsgType::node_register: return "node_register";
+    case MsgType::node_welcome: return "node_welcome";
+    case MsgType::heartbeat: return "heartbeat";
+    case MsgType::reregister: return "reregister";
+    case MsgType::nodes_query: return "nodes_query";
+    case MsgType::nodes_info: return "nodes_info";
+    case MsgType::reserve: return "reserve";
+    case MsgType::reservation: return "reservation";
+    case MsgType::release: return "release";
+    case MsgType::lease: return "lease";
+    case MsgType::launch: return "launch";
+    case MsgType::launched: return "launched";
+    case MsgType::need_plugin: return "need_plugin";
+    case MsgType::plugin: return "plugin";
+    case MsgType::stop_job: return "stop_job";
+    case MsgType::stopped: return "stopped";
+    case MsgType::worker_exit: return "worker_exit";
+    case MsgType::output: return "output";
+    case MsgType::node_dead: return "node_dead";
+    case MsgType::kill_job: return "kill_job";
   }
   return "unknown";
 }
@@ -117,8 +137,7 @@ Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel
   }
   Message m;
   const auto type = static_cast<std::uint16_t>(get_le(h + 6, 2));
-  if (type < static_cast<std::uint16_t>(MsgType::hello) ||
-      type > static_cast<std::uint16_t>(MsgType::kv_value)) {
+  if (std::string_view(to_string(static_cast<MsgType>(type))) == "unknown") {
     throw TransportError(fmt::format("malformed message: unknown type {}", type));
   }
   m.type = static_cast<MsgType>(type);

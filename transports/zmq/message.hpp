@@ -14,7 +14,7 @@
 namespace twinkle::transport {
 
 // Version of the control-channel protocol, checked at hello. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 2;
+inline constexpr std::uint16_t kProtocolVersion = 3;
 
 enum class MsgType : std::uint16_t {
   hello = 1,      // worker -> driver: {rank, group, pid, host}
@@ -27,6 +27,29 @@ enum class MsgType : std::uint16_t {
   kv_set = 8,     // worker -> driver: {key, value}   (rendezvous store)
   kv_get = 9,     // worker -> driver, id = request: {key}
   kv_value = 10,  // driver -> worker, id = request: {value}
+
+  // Cluster messages (remote mode), between the head and its agents, drivers and clients. The
+  // head forwards driver -> agent messages by body["node"] and agent -> driver ones by body["run"].
+  node_register = 20,  // agent -> head: {node, host, address, cpus, memory, gpus, labels, jobs}
+  node_welcome = 21,   // head -> agent: {ok, error}
+  heartbeat = 22,      // agent -> head: {node}
+  reregister = 23,     // head -> agent: the head does not know this agent (it restarted)
+  nodes_query = 24,    // client -> head
+  nodes_info = 25,     // head -> client: {nodes, reservations}
+  reserve = 26,        // driver -> head, id = request: {run, job, owner, groups, dry_run}
+  reservation = 27,    // head -> driver, id = request: {ok, groups | kind, message}
+  release = 28,        // driver -> head: {run}
+  lease = 29,          // driver -> head: {run}, every heartbeat interval
+  launch = 30,         // driver -> agent: {run, node, sha256, endpoint, keys, workers}
+  launched = 31,       // agent -> driver: {run, node, ok, error}
+  need_plugin = 32,    // agent -> driver: {run, node, sha256}
+  plugin = 33,         // driver -> agent: {run, node, sha256, bytes}
+  stop_job = 34,       // driver -> agent: {run, node, grace_ms}
+  stopped = 35,        // agent -> driver: {run, node, signalled}
+  worker_exit = 36,    // agent -> driver: {run, name, exit_code, signal, text, stderr}
+  output = 37,         // agent -> driver: {run, name, stream, line}
+  node_dead = 38,      // head -> driver: {node, host, reason}
+  kill_job = 39,       // head -> agent: {run}: its driver's lease expired
 };
 
 const char* to_string(MsgType t);

@@ -1,0 +1,403 @@
+#include "core/cluster/agent.hpp"
+
+#include <signal.h>
+#include <sodium.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/cluster/head_link.hpp"
+#include "core/job/resources.hpp"
+#include "core/job/values.hpp"
+#include "core/runtime/spawner.hpp"
+#include "twinkle/errors.hpp"
+
+extern char** environ;
+
+namespace twinkle::core::cluster {
+
+namespace {
+
+std::int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string hex(const unsigned char* d, std::size_t n) {
+  std::string out;
+  for (std::size_t i = 0; i < n; ++i) out += fmt::format("{:02x}", d[i]);
+  return out;
+}
+
+// One run's workers on this node.
+struct Job {
+  std::string run, job, owner;
+  std::int64_t since = 0;
+  std::vector<int> gpus;
+  int cpus = 0;
+  Value launch;  // the launch request, kept until its plugin is here
+  std::unique_ptr<Spawner> spawner;
+  std::thread stopper;
+  std::atomic<bool> done{false};
+};
+
+}  // namespace
+
+std::string bytes_sha256(const void* data, std::size_t size) {
+  unsigned char out[crypto_hash_sha256_BYTES];
+  crypto_hash_sha256(out, static_cast<const unsigned char*>(data), size);
+  return hex(out, sizeof out);
+}
+
+std::string file_sha256(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(fmt::format("cannot read {}", file.string()));
+  crypto_hash_sha256_state st;
+  crypto_hash_sha256_init(&st);
+  std::vector<char> buf(1 << 20);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    crypto_hash_sha256_update(&st, reinterpret_cast<const unsigned char*>(buf.data()),
+                              static_cast<unsigned long long>(in.gcount()));
+  }
+  unsigned char out[crypto_hash_sha256_BYTES];
+  crypto_hash_sha256_final(&st, out);
+  return hex(out, sizeof out);
+}
+
+std::map<std::string, std::string> parse_labels(const std::string& text, const std::string& flag) {
+  std::map<std::string, std::string> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(at, end - at);
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw ConfigError(
+          fmt::format("{} \"{}\": \"{}\" is not KEY=VALUE; write k=v,k2=v2", flag, text, item));
+    }
+    out[item.substr(0, eq)] = item.substr(eq + 1);
+    at = end + 1;
+  }
+  return out;
+}
+
+struct Agent::State {
+  AgentOptions o;
+  std::string host;
+  NodeResources resources;
+  std::unique_ptr<HeadLink> link;
+  std::mutex mu;  // guards jobs
+  std::map<std::string, std::unique_ptr<Job>> jobs;
+
+  void log(const std::string& line) const {
+    if (o.log) o.log(line);
+  }
+
+  Value registration() {
+    Value gpus = Value::list();
+    for (const auto& g : resources.gpus) {
+      gpus.push_back(Value::map({{"index", g.index},
+                                 {"name", g.name},
+                                 {"memory", static_cast<std::int64_t>(g.memory_bytes)},
+                                 {"uuid", g.uuid}}));
+    }
+    Value list = Value::list();
+    std::lock_guard lock(mu);
+    for (const auto& [run, j] : jobs) {
+      if (j->done) continue;
+      list.push_back(Value::map({{"run", run},
+                                 {"job", j->job},
+                                 {"owner", j->owner},
+                                 {"since", j->since},
+                                 {"gpus", Value(j->gpus)},
+                                 {"cpus", j->cpus}}));
+    }
+    return Value::map({{"node", o.node_id},
+                       {"host", host},
+                       {"address", o.node_ip},
+                       {"cpus", resources.cpus},
+                       {"memory", static_cast<std::int64_t>(resources.memory_bytes)},
+                       {"gpus", gpus},
+                       {"labels", labels_to_value(o.labels)},
+                       {"jobs", list}});
+  }
+
+  void post(MsgType t, Value body) { link->post(Message{t, 0, std::move(body)}); }
+
+  void fail_launch(const std::string& run, const std::string& error) {
+    log(fmt::format("run {}: cannot start its workers: {}", run, error));
+    post(MsgType::launched,
+         Value::map({{"run", run}, {"node", o.node_id}, {"ok", false}, {"error", error}}));
+  }
+
+  std::filesystem::path cached(const std::string& sha) const { return o.cache_dir / (sha + ".so"); }
+
+  void on_launch(Message& m) {
+    const std::string run = m.body["run"].as<std::string>();
+    std::lock_guard lock(mu);
+    if (jobs.count(run)) return fail_launch(run, "this node already runs workers of that run");
+    auto j = std::make_unique<Job>();
+    j->run = run;
+    j->job = m.body["job"].as<std::string>();
+    j->owner = m.body["owner"].as<std::string>();
+    j->since = unix_now();
+    j->gpus = m.body["gpus"].as<std::vector<int>>();
+    j->cpus = m.body["cpus"].as<int>();
+    j->launch = std::move(m.body);
+    const std::string sha = j->launch["sha256"].as<std::string>();
+    Job& job = *j;
+    jobs.emplace(run, std::move(j));
+    std::error_code ec;
+    if (std::filesystem::exists(cached(sha), ec)) {
+      spawn(job);
+    } else {
+      post(MsgType::need_plugin, Value::map({{"run", run}, {"node", o.node_id}, {"sha256", sha}}));
+    }
+  }
+
+  void on_plugin(Message& m) {
+    const std::string run = m.body["run"].as<std::string>();
+    const std::string sha = m.body["sha256"].as<std::string>();
+    const Tensor& bytes = m.body["bytes"].tensor();
+    std::lock_guard lock(mu);
+    auto it = jobs.find(run);
+    if (it == jobs.end()) return;
+    if (bytes_sha256(bytes.data(), bytes.nbytes()) != sha) {
+      return fail_launch(run, fmt::format("the plugin's bytes do not match sha256 {}", sha));
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(o.cache_dir, ec);
+    const auto tmp = o.cache_dir / fmt::format(".{}.{}.tmp", sha, getpid());
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out.write(reinterpret_cast<const char*>(bytes.data()),
+                static_cast<std::streamsize>(bytes.nbytes()));
+      if (!out) {
+        return fail_launch(
+            run, fmt::format("cannot write the plugin cache {}: check --cache-dir", tmp.string()));
+      }
+    }
+    ::chmod(tmp.c_str(), 0500);
+    std::filesystem::rename(tmp, cached(sha), ec);
+    if (ec)
+      return fail_launch(run,
+                         fmt::format("cannot store {}: {}", cached(sha).string(), ec.message()));
+    spawn(*it->second);
+  }
+
+  // Starts the workers of `j` (mu held).
+  void spawn(Job& j) {
+    const Value& l = j.launch;
+    const std::string sha = l["sha256"].as<std::string>();
+    const auto plugin = cached(sha);
+    // Verified before any worker loads it: a cache file changed on disk is not run.
+    try {
+      if (file_sha256(plugin) != sha) {
+        std::error_code ec;
+        std::filesystem::remove(plugin, ec);
+        return fail_launch(j.run, fmt::format("the cached plugin {} does not match its sha256; "
+                                              "removed it, run the job again",
+                                              plugin.string()));
+      }
+    } catch (const Error& e) {
+      return fail_launch(j.run, e.what());
+    }
+    const std::string run = j.run;
+    SpawnerOptions so;
+    so.on_line = [this, run](const std::string& name, bool is_stderr, const std::string& line) {
+      post(MsgType::output, Value::map({{"run", run},
+                                        {"name", name},
+                                        {"stream", is_stderr ? "stderr" : "stdout"},
+                                        {"line", line}}));
+    };
+    try {
+      j.spawner = std::make_unique<Spawner>(so, [this, run](const ProcessExit& e) {
+        Value tail = Value::list();
+        for (const auto& line : e.last_stderr) tail.push_back(line);
+        post(MsgType::worker_exit, Value::map({{"run", run},
+                                               {"node", o.node_id},
+                                               {"name", e.name},
+                                               {"pid", static_cast<int>(e.pid)},
+                                               {"exit_code", e.exit_code},
+                                               {"signal", e.signal},
+                                               {"text", e.describe()},
+                                               {"stderr", tail}}));
+      });
+      // The agent's environment, with the driver's variables for the worker on top.
+      std::vector<std::string> base;
+      for (char** e = environ; *e; ++e) base.emplace_back(*e);
+      for (const auto& w : l["workers"]) {
+        std::vector<std::string> env;
+        const auto wenv = w["env"].as<std::vector<std::string>>();
+        for (const auto& b : base) {
+          const std::string key = b.substr(0, b.find('='));
+          const bool overridden = std::any_of(wenv.begin(), wenv.end(), [&](const std::string& x) {
+            return x.compare(0, key.size() + 1, key + "=") == 0;
+          });
+          if (!overridden && !key.starts_with("TWINKLE_")) env.push_back(b);
+        }
+        env.insert(env.end(), wenv.begin(), wenv.end());
+        env.push_back(fmt::format("TWINKLE_PARENT_PID={}", getpid()));
+        env.push_back("TWINKLE_NODE_IP=" + o.node_ip);
+        env.push_back("TWINKLE_NODE_ID=" + o.node_id);
+        if (l.contains("keys")) {
+          env.push_back("TWINKLE_CURVE_PUBLIC=" + l["keys"]["public"].as<std::string>());
+          env.push_back("TWINKLE_CURVE_SECRET=" + l["keys"]["secret"].as<std::string>());
+          env.push_back("TWINKLE_CURVE_SERVER=" + l["keys"]["server"].as<std::string>());
+        }
+        ProcessSpec spec;
+        spec.name = w["name"].as<std::string>();
+        spec.argv = {o.exe.string(), "worker",       "--endpoint", l["endpoint"].as<std::string>(),
+                     "--plugin",     plugin.string()};
+        spec.env = std::move(env);
+        j.spawner->spawn(std::move(spec));
+      }
+    } catch (const std::exception& e) {
+      if (j.spawner) j.spawner->kill_and_reap();
+      return fail_launch(j.run, e.what());
+    }
+    log(fmt::format("run {} (job {}, owner {}): started {} worker(s)", j.run, j.job, j.owner,
+                    l["workers"].list_items().size()));
+    j.launch = Value();
+    post(MsgType::launched, Value::map({{"run", j.run}, {"node", o.node_id}, {"ok", true}}));
+  }
+
+  // Stops a run's workers on a thread of their own (the heartbeats go on meanwhile).
+  void stop_job(const std::string& run, std::chrono::milliseconds grace, const char* why) {
+    std::lock_guard lock(mu);
+    auto it = jobs.find(run);
+    if (it == jobs.end()) {
+      // Nothing of it runs here (its launch failed, or it was stopped already): say so at once.
+      post(MsgType::stopped,
+           Value::map({{"run", run}, {"node", o.node_id}, {"signalled", Value::list()}}));
+      return;
+    }
+    if (it->second->stopper.joinable()) return;
+    Job* j = it->second.get();
+    log(fmt::format("run {}: stopping its workers ({})", run, why));
+    j->stopper = std::thread([this, j, grace] {
+      std::vector<std::string> signalled;
+      if (j->spawner) signalled = j->spawner->stop(grace);
+      Value names = Value::list();
+      for (auto& n : signalled) names.push_back(n);
+      post(MsgType::stopped,
+           Value::map({{"run", j->run}, {"node", o.node_id}, {"signalled", names}}));
+      j->done = true;
+    });
+  }
+
+  // Jobs whose workers are all stopped are forgotten (on the link's thread).
+  void reap() {
+    std::vector<std::unique_ptr<Job>> gone;
+    {
+      std::lock_guard lock(mu);
+      for (auto it = jobs.begin(); it != jobs.end();) {
+        if (it->second->done) {
+          gone.push_back(std::move(it->second));
+          it = jobs.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& j : gone) {
+      if (j->stopper.joinable()) j->stopper.join();
+    }
+  }
+
+  void handle(Message& m) {
+    try {
+      switch (m.type) {
+        case MsgType::launch: on_launch(m); break;
+        case MsgType::plugin: on_plugin(m); break;
+        case MsgType::stop_job:
+          stop_job(m.body["run"].as<std::string>(),
+                   std::chrono::milliseconds(m.body["grace_ms"].as<std::int64_t>()),
+                   "its driver asked");
+          break;
+        case MsgType::kill_job:
+          stop_job(m.body["run"].as<std::string>(), std::chrono::milliseconds(0),
+                   "the head says its driver is gone");
+          break;
+        case MsgType::reregister:
+          log(
+              fmt::format("the head at {} does not know this node (it restarted, or declared the "
+                          "node dead); registering again",
+                          o.address));
+          post(MsgType::node_register, registration());
+          break;
+        case MsgType::node_welcome:
+          if (!m.body["ok"].as<bool>())
+            log("the head refused this node: " + m.body["error"].as<std::string>());
+          break;
+        default: break;
+      }
+    } catch (const std::exception& e) {
+      log(fmt::format("dropped a malformed {} message: {}", transport::to_string(m.type),
+                      e.what()));
+    }
+  }
+};
+
+Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.o = std::move(options);
+  if (sodium_init() < 0) throw Error("libsodium failed to initialise (needed for sha256)");
+  s.resources = discover_local(s.o.gpus);
+  if (s.o.gpus && static_cast<int>(s.resources.gpus.size()) != *s.o.gpus) {
+    s.resources.gpus.clear();
+    for (int i = 0; i < *s.o.gpus; ++i) s.resources.gpus.push_back(GpuInfo{i, "", 0, ""});
+  }
+  if (s.o.cpus) s.resources.cpus = *s.o.cpus;
+  s.host = s.resources.hostname;
+  if (s.o.node_id.empty()) s.o.node_id = s.host;
+  if (s.o.node_ip.empty()) s.o.node_ip = route_source_address(endpoint_host(s.o.address));
+  s.link = std::make_unique<HeadLink>(s.o.address, s.o.security, "agent/" + s.o.node_id);
+  Message welcome = s.link->request(Message{MsgType::node_register, 0, s.registration()},
+                                    MsgType::node_welcome, std::chrono::seconds(10));
+  if (!welcome.body["ok"].as<bool>()) {
+    throw ConfigError("the head refused this node: " + welcome.body["error"].as<std::string>());
+  }
+  s.log(fmt::format("node {} joined the cluster at {} (address {}, {} CPUs, {} GPUs)", s.o.node_id,
+                    s.o.address, s.o.node_ip, s.resources.cpus, s.resources.gpus.size()));
+  s.link->start([&s](Message& m) { s.handle(m); },
+                [&s]() -> std::optional<Message> {
+                  s.reap();
+                  return Message{MsgType::heartbeat, 0, Value::map({{"node", s.o.node_id}})};
+                });
+}
+
+Agent::~Agent() {
+  State& s = *s_;
+  {
+    std::lock_guard lock(s.mu);
+    for (auto& [run, j] : s.jobs) {
+      if (j->spawner) j->spawner->signal_all(SIGTERM);
+    }
+  }
+  s.link->stop(std::chrono::milliseconds(500));
+  std::lock_guard lock(s.mu);
+  for (auto& [run, j] : s.jobs) {
+    if (j->stopper.joinable()) j->stopper.join();
+    if (j->spawner) j->spawner->stop(std::chrono::milliseconds(0));
+  }
+  s.jobs.clear();
+}
+
+void Agent::run(const std::atomic<bool>& stop) {
+  // The link's thread does the work; this one waits for the stop.
+  while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+}
+
+}  // namespace twinkle::core::cluster

@@ -1,0 +1,78 @@
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <zmq.hpp>
+
+#include "transports/fd.hpp"
+#include "transports/zmq/auth.hpp"
+#include "transports/zmq/message.hpp"
+
+namespace twinkle::core::cluster {
+
+using transport::Message;
+using transport::MsgType;
+
+// A member's connection to the head (agents, drivers, `twinkle nodes`): a DEALER over TCP with
+// CURVE and heartbeats. First synchronous requests, then (after start) a thread that hands
+// incoming messages to a handler, sends a beat every heartbeat interval, and sends what other
+// threads post.
+class HeadLink {
+ public:
+  using Handler = std::function<void(Message&)>;
+  using Beat = std::function<std::optional<Message>()>;
+
+  // Connects and waits up to `handshake` for the head to accept this member; throws
+  // TransportError naming the fix when it refuses or does not answer.
+  HeadLink(const std::string& address, const transport::SocketSecurity& security,
+           const std::string& identity,
+           std::chrono::milliseconds handshake = std::chrono::seconds(5));
+  HeadLink(const HeadLink&) = delete;
+  HeadLink& operator=(const HeadLink&) = delete;
+  ~HeadLink();
+
+  const std::string& address() const { return address_; }
+
+  // Before start(): sends `m` and waits up to `timeout` for a message of type `expect` (others
+  // are dropped). Throws TransportError when none comes.
+  Message request(const Message& m, MsgType expect, std::chrono::milliseconds timeout);
+
+  // Starts the thread. `on_message` and `beat` run on it.
+  void start(Handler on_message, Beat beat);
+  // Thread-safe: queues `m` for the head (dropped when the head is unreachable for long).
+  void post(Message m);
+  // Sends what is queued, then stops the thread (waiting up to `linger` for the head to take it).
+  void stop(std::chrono::milliseconds linger = std::chrono::milliseconds(1000));
+
+  // This member's address as the head sees it: the local address of the route to the head.
+  std::string local_address() const;
+
+ private:
+  void loop();
+  void flush_outbox();
+
+  std::string address_;
+  zmq::context_t context_;
+  zmq::socket_t socket_;
+  Handler on_message_;
+  Beat beat_;
+  transport::Fd wake_;
+  std::mutex mu_;
+  std::deque<Message> outbox_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The host part of "tcp://HOST:PORT".
+std::string endpoint_host(const std::string& endpoint);
+// The local address this machine uses to reach `host` (the route's source address): what the
+// peers of a cluster are told to connect to.
+std::string route_source_address(const std::string& host);
+
+}  // namespace twinkle::core::cluster

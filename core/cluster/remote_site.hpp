@@ -1,0 +1,16 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/cluster/security.hpp"
+#include "core/runtime/launcher.hpp"
+
+namespace twinkle::core::cluster {
+
+// The driver's view of a cluster (runtime's RemoteSite): reservations and a lease at the head at
+// `address`, workers started through the agents. Throws TransportError when the head refuses this
+// member or does not answer.
+std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOptions& keys);
+
+}  // namespace twinkle::core::cluster
