@@ -82,8 +82,18 @@ assert isinstance(n["gpus"], list)
 PY
     ;;
   version_help)
+    # The version, and the facts that decide whether this build works with a plugin, with the other
+    # members of a cluster and with the GPUs: read from the sources and the build's config.
     run 0 "$TWK" --version
-    expect_out "twinkle "
+    config=$(dirname "$TWK")/twinkle_config.h
+    version=$(sed -n 's/^#define TWINKLE_VERSION "\(.*\)"$/\1/p' "$config")
+    abi=$(sed -n 's/^#define TWK_ABI_VERSION \([0-9]*\)u$/\1/p' "$SRC/plugins/include/twinkle/plugin.h")
+    protocol=$(sed -n 's/^inline constexpr std::uint16_t kProtocolVersion = \([0-9]*\);$/\1/p' "$SRC/transports/zmq/message.hpp")
+    yes_no() { [ "$(sed -n "s/^#define $1 //p" "$config")" = 1 ] && echo yes || echo no; }
+    [ -n "$version" ] && [ -n "$abi" ] && [ -n "$protocol" ] || fail "cannot read the versions from the sources"
+    printf 'twinkle %s\nplugin ABI version: %s\nwire protocol version: %s\nCUDA: %s\nNCCL: %s\n' \
+      "$version" "$abi" "$protocol" "$(yes_no TWINKLE_HAVE_CUDA)" "$(yes_no TWINKLE_HAVE_NCCL)" >"$TMP/want"
+    diff -u "$TMP/want" "$TMP/out" || fail "--version does not say what this build is"
     for cmd in "" topology nodes; do
       run 0 "$TWK" $cmd --help
       expect_out "Usage"
