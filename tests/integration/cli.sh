@@ -209,6 +209,26 @@ CMAKE
       fail "find_package(Twinkle $((major + 1)).0) accepted Twinkle $version"
     grep -q "$version" "$TMP/cmake-new.log" || { cat "$TMP/cmake-new.log"; fail "the refusal does not name the installed version"; }
     ;;
+  install_layout)
+    # Where `meson install` puts the completion and the systemd units: where bash-completion and
+    # systemd look for them under this prefix, naming the installed binary and settings file.
+    stage_install "$4"
+    comp=$TMP/dest$DATADIR/bash-completion/completions/twinkle
+    [ -f "$comp" ] || fail "no completion in $DATADIR/bash-completion/completions: $(find "$TMP/dest" -path '*completion*')"
+    bash -c 'source "$1" && complete -p twinkle' _ "$comp" >"$TMP/out" 2>&1 || fail "the installed completion does not load: $(cat "$TMP/out")"
+    for unit in twinkle-head.service twinkle-agent.service; do
+      file=$STAGE/lib/systemd/system/$unit
+      [ -f "$file" ] || fail "$unit is not in lib/systemd/system"
+      bin=$(sed -n 's/^ExecStart=\([^ ]*\) .*/\1/p' "$file")
+      [ "$bin" = "$BINDIR/twinkle" ] || fail "$unit runs $bin, not the installed $BINDIR/twinkle"
+      [ -x "$TMP/dest$bin" ] || fail "$unit runs $bin, which is not installed"
+      grep -qx "EnvironmentFile=$SYSCONFDIR/twinkle/twinkle.env" "$file" || fail "$unit reads no $SYSCONFDIR/twinkle/twinkle.env"
+    done
+    env=$TMP/dest$DATADIR/twinkle/twinkle.env
+    [ -f "$env" ] || fail "no twinkle.env template in $DATADIR/twinkle"
+    grep -q @ "$env" && fail "twinkle.env has unsubstituted @variables@: $(grep @ "$env")"
+    grep -qx "TWINKLE_KEY=$SYSCONFDIR/twinkle/twinkle.key" "$env" || fail "twinkle.env does not point at $SYSCONFDIR/twinkle"
+    ;;
   keygen)
     run 0 "$TWK" keygen --out "$TMP/keys"
     expect_out "wrote $TMP/keys/twinkle.key"
