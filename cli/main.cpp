@@ -5,11 +5,26 @@
 
 #include "cli/commands.hpp"
 #include "cli/exit_codes.hpp"
+#include "transports/zmq/message.hpp"
+#include "twinkle/plugin.h"
 #include "twinkle_config.h"
+
+namespace {
+
+// What a bug report or a cluster upgrade needs to know: members talk only with equal protocol
+// versions, and plugins load only with an equal ABI version.
+std::string version_text() {
+  return fmt::format(
+      "twinkle {}\nplugin ABI version: {}\nwire protocol version: {}\nCUDA: {}\nNCCL: {}",
+      TWINKLE_VERSION, TWK_ABI_VERSION, twinkle::transport::kProtocolVersion,
+      TWINKLE_HAVE_CUDA ? "yes" : "no", TWINKLE_HAVE_NCCL ? "yes" : "no");
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"twinkle: run distributed C++ model code on one machine or a cluster", "twinkle"};
-  app.set_version_flag("--version", fmt::format("twinkle {}", TWINKLE_VERSION));
+  app.set_version_flag("--version", version_text());
   app.require_subcommand(1);
   app.footer(
       "Run `twinkle COMMAND --help` for a command's options; man twinkle for the whole story.");

@@ -1,9 +1,49 @@
 #!/usr/bin/env bash
-# Integration tests of `twinkle topology`, `twinkle nodes` and the top-level flags.
-# Usage: cli.sh TWINKLE_BINARY SOURCE_ROOT CASE
+# Integration tests of `twinkle topology`, `twinkle nodes`, `twinkle inspect`, `twinkle keygen`, the
+# top-level flags, and of what `meson install` gives SDK users.
+# Usage: cli.sh TWINKLE_BINARY SOURCE_ROOT CASE [ARG]
 TWK=$1
 SRC=$2
 source "$SRC/tests/integration/lib.sh"
+
+# stage_install BUILD: `meson install` of BUILD into $TMP/dest. Sets PREFIX, BINDIR, SYSCONFDIR and
+# DATADIR to the configured (absolute) folders, and STAGE to where PREFIX lies in the staging folder.
+stage_install() {
+  meson install -C "$1" --no-rebuild --destdir "$TMP/dest" >"$TMP/install.log" 2>&1 ||
+    { cat "$TMP/install.log"; fail "meson install failed"; }
+  eval "$(meson introspect "$1" --buildoptions | python3 -c '
+import json, os, shlex, sys
+o = {x["name"]: x["value"] for x in json.load(sys.stdin)}
+for name in ["prefix", "bindir", "sysconfdir", "datadir"]:
+    print("%s=%s" % (name.upper(), shlex.quote(os.path.join(o["prefix"], o[name]))))
+')"
+  STAGE=$TMP/dest$PREFIX
+}
+
+# write_plugin FILE: a small plugin that uses the SDK, the way an out-of-tree user writes one.
+write_plugin() {
+  cat >"$1" <<'CPP'
+#include <twinkle/plugin.hpp>
+struct Counter {
+  explicit Counter(twinkle::Context&) {}
+  int twice(twinkle::Context&, int x) { return 2 * x; }
+};
+TWINKLE_CLASS(Counter, twinkle::execute::all);
+TWINKLE_METHOD(Counter, twice, twinkle::dispatch::all, twinkle::collect::sum);
+TWINKLE_DRIVER(main, twinkle::Driver& d) { d.log("hi"); }
+TWINKLE_PLUGIN("mine", "0.0.1");
+CPP
+}
+
+# check_plugin SO: exports only the entry symbol (the version script reached the link) and loads.
+check_plugin() {
+  local exports
+  exports=$(nm -D --defined-only "$1" | awk '{print $3}')
+  [ "$exports" = "twinkle_plugin_v1" ] || fail "the plugin exports more than its entry symbol: $exports"
+  run 0 "$TWK" inspect "$1"
+  expect_out "plugin mine 0.0.1"
+  grep -qE "^  twice +all +all +sum +job$" "$TMP/out" || fail "twice row is wrong"
+}
 
 case $3 in
   topology_example)
@@ -82,8 +122,18 @@ assert isinstance(n["gpus"], list)
 PY
     ;;
   version_help)
+    # The version, and the facts that decide whether this build works with a plugin, with the other
+    # members of a cluster and with the GPUs: read from the sources and the build's config.
     run 0 "$TWK" --version
-    expect_out "twinkle "
+    config=$(dirname "$TWK")/twinkle_config.h
+    version=$(sed -n 's/^#define TWINKLE_VERSION "\(.*\)"$/\1/p' "$config")
+    abi=$(sed -n 's/^#define TWK_ABI_VERSION \([0-9]*\)u$/\1/p' "$SRC/plugins/include/twinkle/plugin.h")
+    protocol=$(sed -n 's/^inline constexpr std::uint16_t kProtocolVersion = \([0-9]*\);$/\1/p' "$SRC/transports/zmq/message.hpp")
+    yes_no() { [ "$(sed -n "s/^#define $1 //p" "$config")" = 1 ] && echo yes || echo no; }
+    [ -n "$version" ] && [ -n "$abi" ] && [ -n "$protocol" ] || fail "cannot read the versions from the sources"
+    printf 'twinkle %s\nplugin ABI version: %s\nwire protocol version: %s\nCUDA: %s\nNCCL: %s\n' \
+      "$version" "$abi" "$protocol" "$(yes_no TWINKLE_HAVE_CUDA)" "$(yes_no TWINKLE_HAVE_NCCL)" >"$TMP/want"
+    diff -u "$TMP/want" "$TMP/out" || fail "--version does not say what this build is"
     for cmd in "" topology nodes; do
       run 0 "$TWK" $cmd --help
       expect_out "Usage"
@@ -117,32 +167,67 @@ PY
     ;;
   sdk_out_of_tree)
     # Install into a staging folder and build a plugin with nothing but pkg-config's flags.
-    BUILD=$4
-    meson install -C "$BUILD" --no-rebuild --destdir "$TMP/dest" >"$TMP/install.log" 2>&1 ||
-      { cat "$TMP/install.log"; fail "meson install failed"; }
+    stage_install "$4"
     pc=$(find "$TMP/dest" -name twinkle-plugin.pc | head -1)
     [ -n "$pc" ] || fail "no twinkle-plugin.pc installed"
     prefix=$(sed -n "s/^prefix=//p" "$pc")
     cflags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --define-variable=prefix="$TMP/dest$prefix" --cflags --libs twinkle-plugin) ||
       fail "pkg-config cannot read twinkle-plugin.pc"
-    cat >"$TMP/mine.cpp" <<'CPP'
-#include <twinkle/plugin.hpp>
-struct Counter {
-  explicit Counter(twinkle::Context&) {}
-  int twice(twinkle::Context&, int x) { return 2 * x; }
-};
-TWINKLE_CLASS(Counter, twinkle::execute::all);
-TWINKLE_METHOD(Counter, twice, twinkle::dispatch::all, twinkle::collect::sum);
-TWINKLE_DRIVER(main, twinkle::Driver& d) { d.log("hi"); }
-TWINKLE_PLUGIN("mine", "0.0.1");
-CPP
+    write_plugin "$TMP/mine.cpp"
     # shellcheck disable=SC2086
     c++ -shared -fPIC $cflags "$TMP/mine.cpp" -o "$TMP/libmine.so" || fail "the out-of-tree plugin does not build"
-    exports=$(nm -D --defined-only "$TMP/libmine.so" | awk '{print $3}')
-    [ "$exports" = "twinkle_plugin_v1" ] || fail "the plugin exports more than its entry symbol: $exports"
-    run 0 "$TWK" inspect "$TMP/libmine.so"
-    expect_out "plugin mine 0.0.1"
-    grep -qE "^  twice +all +all +sum +job$" "$TMP/out" || fail "twice row is wrong"
+    check_plugin "$TMP/libmine.so"
+    ;;
+  sdk_cmake)
+    # The same out of tree with CMake: find_package(Twinkle) from the staging folder.
+    command -v cmake >/dev/null || { echo "cmake is not installed: skipped"; exit 77; }
+    stage_install "$4"
+    mkdir "$TMP/src"
+    write_plugin "$TMP/src/mine.cpp"
+    cat >"$TMP/src/CMakeLists.txt" <<'CMAKE'
+cmake_minimum_required(VERSION 3.13)
+project(mine CXX)
+find_package(Twinkle ${WANT} REQUIRED)
+add_library(mine MODULE mine.cpp)
+target_link_libraries(mine PRIVATE Twinkle::plugin)
+CMAKE
+    version=$(meson introspect "$4" --projectinfo | python3 -c 'import json, sys; print(json.load(sys.stdin)["version"])')
+    generator=()
+    command -v ninja >/dev/null && generator=(-G Ninja)
+    cmake -S "$TMP/src" -B "$TMP/cmake" "${generator[@]}" -DWANT="$version" \
+      -DCMAKE_PREFIX_PATH="$STAGE" >"$TMP/cmake.log" 2>&1 ||
+      { cat "$TMP/cmake.log"; fail "find_package(Twinkle $version) fails"; }
+    grep -q "^Twinkle_DIR:PATH=$STAGE/" "$TMP/cmake/CMakeCache.txt" ||
+      fail "CMake found a Twinkle other than the staged one: $(grep ^Twinkle_DIR "$TMP/cmake/CMakeCache.txt")"
+    cmake --build "$TMP/cmake" >"$TMP/build.log" 2>&1 ||
+      { cat "$TMP/build.log"; fail "the out-of-tree CMake plugin does not build"; }
+    check_plugin "$TMP/cmake/libmine.so"
+    # A version the installed SDK does not meet is refused at configure time.
+    major=${version%%.*}
+    cmake -S "$TMP/src" -B "$TMP/cmake-new" "${generator[@]}" -DWANT="$((major + 1)).0" \
+      -DCMAKE_PREFIX_PATH="$STAGE" >"$TMP/cmake-new.log" 2>&1 &&
+      fail "find_package(Twinkle $((major + 1)).0) accepted Twinkle $version"
+    grep -q "$version" "$TMP/cmake-new.log" || { cat "$TMP/cmake-new.log"; fail "the refusal does not name the installed version"; }
+    ;;
+  install_layout)
+    # Where `meson install` puts the completion and the systemd units: where bash-completion and
+    # systemd look for them under this prefix, naming the installed binary and settings file.
+    stage_install "$4"
+    comp=$TMP/dest$DATADIR/bash-completion/completions/twinkle
+    [ -f "$comp" ] || fail "no completion in $DATADIR/bash-completion/completions: $(find "$TMP/dest" -path '*completion*')"
+    bash -c 'source "$1" && complete -p twinkle' _ "$comp" >"$TMP/out" 2>&1 || fail "the installed completion does not load: $(cat "$TMP/out")"
+    for unit in twinkle-head.service twinkle-agent.service; do
+      file=$STAGE/lib/systemd/system/$unit
+      [ -f "$file" ] || fail "$unit is not in lib/systemd/system"
+      bin=$(sed -n 's/^ExecStart=\([^ ]*\) .*/\1/p' "$file")
+      [ "$bin" = "$BINDIR/twinkle" ] || fail "$unit runs $bin, not the installed $BINDIR/twinkle"
+      [ -x "$TMP/dest$bin" ] || fail "$unit runs $bin, which is not installed"
+      grep -qx "EnvironmentFile=$SYSCONFDIR/twinkle/twinkle.env" "$file" || fail "$unit reads no $SYSCONFDIR/twinkle/twinkle.env"
+    done
+    env=$TMP/dest$DATADIR/twinkle/twinkle.env
+    [ -f "$env" ] || fail "no twinkle.env template in $DATADIR/twinkle"
+    grep -q @ "$env" && fail "twinkle.env has unsubstituted @variables@: $(grep @ "$env")"
+    grep -qx "TWINKLE_KEY=$SYSCONFDIR/twinkle/twinkle.key" "$env" || fail "twinkle.env does not point at $SYSCONFDIR/twinkle"
     ;;
   keygen)
     run 0 "$TWK" keygen --out "$TMP/keys"

@@ -1,0 +1,81 @@
+# bash completion for twinkle(1): commands, their flags, job files (*.toml) after run and
+# topology, plugin files (*.so) after inspect, folders and key files after the flags that take
+# them. Installed where bash-completion loads it on first use; or source it from ~/.bashrc.
+# Keep the flags in step with cli/*.cpp: the completion_flags test compares them with --help.
+
+_twinkle_flags() {
+  case $1 in
+    run) echo "--set --gpus --log-dir --quiet --ascii --address --help" ;;
+    topology) echo "--gpus --set --json --ascii --help" ;;
+    nodes) echo "--json --address --key --head-key --help" ;;
+    inspect) echo "--json --help" ;;
+    keygen) echo "--out --force --help" ;;
+    "node start")
+      echo "--head --port --no-agent --address --gpus --cpus --labels --node-id --node-ip --key" \
+        "--authorized-keys --head-key --insecure --daemon --pid-file --help"
+      ;;
+    "node stop") echo "--pid-file --help" ;;
+    node) echo "--help" ;;
+    "") echo "--help --version" ;;
+  esac
+}
+
+# Files whose names end in $1 (any file when empty) and folders to reach them; folders only with
+# --dirs. One name a line, so that names with spaces stay whole.
+_twinkle_files() {
+  local IFS=$'\n'
+  compopt -o filenames 2>/dev/null
+  if [[ $1 == --dirs ]]; then
+    COMPREPLY=($(compgen -d -- "$2"))
+  elif [[ -z $1 ]]; then
+    COMPREPLY=($(compgen -f -- "$2"))
+  else
+    COMPREPLY=($(compgen -f -X "!*$1" -- "$2") $(compgen -d -- "$2"))
+  fi
+}
+
+_twinkle() {
+  local cur=${COMP_WORDS[COMP_CWORD]} prev=${COMP_WORDS[COMP_CWORD - 1]}
+  local cmd="" i w
+  COMPREPLY=()
+
+  # The command is the first word that is not a flag; `node` takes one more (start, stop).
+  for ((i = 1; i < COMP_CWORD; i++)); do
+    w=${COMP_WORDS[i]}
+    [[ $w == -* ]] && continue
+    if [[ -z $cmd ]]; then
+      cmd=$w
+    elif [[ $cmd == node ]]; then
+      cmd="node $w"
+      break
+    fi
+  done
+
+  # The value of a flag that takes one.
+  case $prev in
+    --log-dir | --out)
+      _twinkle_files --dirs "$cur"
+      return
+      ;;
+    --key | --authorized-keys | --head-key | --pid-file)
+      _twinkle_files "" "$cur"
+      return
+      ;;
+    --set | --gpus | --cpus | --port | --address | --labels | --node-id | --node-ip)
+      return
+      ;;
+  esac
+
+  if [[ $cur == -* ]]; then
+    COMPREPLY=($(compgen -W "$(_twinkle_flags "$cmd")" -- "$cur"))
+    return
+  fi
+  case $cmd in
+    "") COMPREPLY=($(compgen -W "run topology nodes node inspect keygen" -- "$cur")) ;;
+    node) COMPREPLY=($(compgen -W "start stop" -- "$cur")) ;;
+    run | topology) _twinkle_files .toml "$cur" ;;
+    inspect) _twinkle_files .so "$cur" ;;
+  esac
+}
+
+complete -F _twinkle twinkle
