@@ -37,7 +37,7 @@ namespace {
 struct NodeStartOptions {
   bool head = false;
   int port = 7100;
-  std::string bind = "127.0.0.1";
+  std::string bind;  // default: every interface with keys, loopback without
   bool no_agent = false;
   ClusterFlags cluster;
   std::string authorized_keys;
@@ -150,9 +150,10 @@ int run_node_start(NodeStartOptions o) {
       core::cluster::KeyOptions keys = o.cluster.keys;
       keys.authorized_keys = o.authorized_keys;
       core::cluster::HeadOptions ho;
+      ho.security = core::cluster::head_security(keys, o.bind.empty() ? "127.0.0.1" : o.bind);
+      if (o.bind.empty()) o.bind = ho.security.socket.secure() ? "0.0.0.0" : "127.0.0.1";
       ho.bind_host = o.bind;
       ho.port = o.port;
-      ho.security = core::cluster::head_security(keys, o.bind);
       ho.log = [](const std::string& l) { log_line("head", l); };
       const bool secure = ho.security.socket.secure();
       const std::string head_public = secure ? ho.security.socket.keys->public_key : "";
@@ -259,7 +260,8 @@ void setup_node(CLI::App& app, Action& action) {
   start->add_flag("--head", o->head, "Run the cluster's head (this machine is a node too)");
   start->add_option("--port", o->port, "The head's TCP port")->check(CLI::Range(0, 65535));
   start->add_option("--bind", o->bind,
-                    "The address the head listens on (default 127.0.0.1; 0.0.0.0 needs keys)");
+                    "The address the head listens on (default: 0.0.0.0 with keys, 127.0.0.1 "
+                    "without; beyond loopback keys are needed)");
   start->add_flag("--no-agent", o->no_agent, "Keep the head's machine out of the cluster's nodes");
   add_cluster_flags(start, o->cluster);
   start->add_option("--authorized-keys", o->authorized_keys,

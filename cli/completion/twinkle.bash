@@ -5,16 +5,17 @@
 
 _twinkle_flags() {
   case $1 in
-    run) echo "--set --gpus --log-dir --quiet --ascii --address --help" ;;
-    topology) echo "--gpus --set --json --ascii --help" ;;
-    nodes) echo "--json --address --key --head-key --help" ;;
+    run) echo "--set --gpus --log-dir --quiet --ascii --address --key --head-key --insecure --help" ;;
+    topology) echo "--gpus --set --json --ascii --address --key --head-key --insecure --help" ;;
+    nodes) echo "--json --address --key --head-key --insecure --help" ;;
     inspect) echo "--json --help" ;;
     keygen) echo "--out --force --help" ;;
     "node start")
-      echo "--head --port --no-agent --address --gpus --cpus --labels --node-id --node-ip --key" \
-        "--authorized-keys --head-key --insecure --daemon --pid-file --help"
+      echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
+        "--cache-dir --key --authorized-keys --head-key --insecure --daemon --pid-file" \
+        "--log-file --help"
       ;;
-    "node stop") echo "--pid-file --help" ;;
+    "node stop") echo "--pid-file --timeout --help" ;;
     node) echo "--help" ;;
     "") echo "--help --version" ;;
   esac

@@ -461,7 +461,7 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
       [&s](transport::ConnectionWatch::Event e, const std::string& address,
            const std::string& detail) {
         if (e == transport::ConnectionWatch::Event::refused_protocol)
-          s.log(fmt::format("refused a connection from {}: {}", address, detail));
+          s.log(fmt::format("refused a connection on {}: {}", address, detail));
       });
   const std::string want =
       fmt::format("tcp://{}:{}", s.options.bind_host,

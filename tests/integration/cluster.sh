@@ -32,7 +32,7 @@ wait_for() {
 
 # start_head [FLAGS...]: a head with no agent of its own on an ephemeral loopback port; sets ADDR.
 start_head() {
-  "$TWK" node start --head --no-agent --port "${HEAD_PORT:-0}" "$@" >"$TMP/head.log" 2>&1 &
+  "$TWK" node start --head --no-agent --bind 127.0.0.1 --port "${HEAD_PORT:-0}" "$@" >"$TMP/head.log" 2>&1 &
   HEAD_PID=$!
   PIDS+=($HEAD_PID)
   wait_for "$TMP/head.log" "listening on" 10
@@ -312,7 +312,7 @@ ranks = 1'
     # A plaintext client: refused by the head, which logs it; the client says what is missing.
     run 1 "$TWK" nodes --address "$ADDR"
     expect_err "this side has no key"
-    wait_for "$TMP/head.log" "one side uses CURVE keys and the other does not" 5
+    wait_for "$TMP/head.log" "refused a connection on $ADDR: " 5
     # An agent with the wrong key cannot register.
     run 1 "$TWK" node start --address "$ADDR" --node-id evil --key "$TMP/keys/intruder/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"
     expect_err "refused this member's key"

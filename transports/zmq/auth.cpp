@@ -157,11 +157,20 @@ ConnectionWatch::ConnectionWatch(zmq::context_t& context, zmq::socket_t& socket,
           on_event(Event::refused_auth, address, fmt::format("status {}", value));
           break;
         case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
           on_event(Event::refused_protocol, address,
                    value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
                        ? "one side uses CURVE keys and the other does not"
-                       : fmt::format("protocol error 0x{:x}", value));
+                   : value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC
+                       ? "the keys do not match (a client pinned another server key)"
+                       : fmt::format("ZMTP protocol error 0x{:x}", value));
+          break;
+        case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+          // The value is an errno: the peer hung up during the handshake, which is what a client
+          // without keys (or with another server's key) does when it meets a CURVE server.
+          on_event(Event::refused_protocol, address,
+                   fmt::format("the handshake failed ({}): a peer without keys, or one that "
+                               "pinned another server's key",
+                               zmq_strerror(static_cast<int>(value))));
           break;
         case ZMQ_EVENT_DISCONNECTED: on_event(Event::disconnected, address, ""); break;
         default: break;

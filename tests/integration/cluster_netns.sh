@@ -1,0 +1,307 @@
+#!/usr/bin/env bash
+# Remote mode across "hosts" on one machine: every host is a network namespace with its own UTS
+# namespace (its own hostname), the hosts are joined through a bridge in a fourth "switch"
+# namespace, and their addresses come from a /24 that exists only inside the namespaces. The head
+# and the driver run in host 1, node agents in hosts 2 and 3, every member with its own key pair.
+# Needs root and ip, nsenter and unshare (exit 77 otherwise). Nothing is ever sent from the root
+# namespace to the hosts' addresses: every command that talks to the cluster runs inside host 1.
+# Usage: cluster_netns.sh TWINKLE_BINARY SOURCE_ROOT FIXTURE_PLUGIN EXAMPLES_BUILD_DIR CASE
+TWK=$1
+SRC=$2
+PLUGIN=$3
+EXAMPLES=$4
+CASE=$5
+
+if [ "$(id -u)" -ne 0 ]; then echo "SKIP: network namespaces need root"; exit 77; fi
+for tool in ip nsenter unshare; do
+  command -v "$tool" >/dev/null || { echo "SKIP: no $tool"; exit 77; }
+done
+# Root in a container may still lack the right to make namespaces.
+unshare --net --uts true 2>/dev/null || { echo "SKIP: cannot create network namespaces"; exit 77; }
+
+source "$SRC/tests/integration/lib.sh"
+
+unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINKLE_HOME
+NET=10.77.0            # the hosts' /24: host N is $NET.N
+PORT=7100              # each host has its own network stack, so the default port is free
+ADDR="tcp://$NET.1:$PORT"
+NS="twk$$"             # namespace names of this run: $NS-sw, $NS-h1, $NS-h2, $NS-h3
+HOSTS=(h1 h2 h3)
+NAMESPACES=()          # every namespace this run made (for the cleanup)
+UTS=()                 # every UTS namespace bind mount this run made
+PIDS=()
+
+# Kills everything this test started, on every host, then removes the namespaces, the UTS bind
+# mounts and the temporary directory. Runs on every exit, failures and signals included.
+cleanup() {
+  trap - EXIT
+  local p ns n
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  pkill -KILL -f -- "$TMP/" 2>/dev/null  # workers run from the agents' caches under $TMP
+  for ns in "${NAMESPACES[@]}"; do
+    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
+  done
+  for n in $(seq 50); do  # until they are reaped (bounded: 5 s)
+    alive=""
+    for ns in "${NAMESPACES[@]}"; do alive+=$(ip netns pids "$ns" 2>/dev/null); done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
+  for ns in "${NAMESPACES[@]}"; do ip netns delete "$ns" 2>/dev/null; done
+  for p in "${UTS[@]}"; do umount "$p" 2>/dev/null; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT HUP
+
+# wait_for FILE TEXT SECONDS: until FILE has TEXT (a deadline, never a fixed sleep).
+wait_for() {
+  local deadline=$((SECONDS + $3))
+  until grep -qF -- "$2" "$1" 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || { cat "$1"; fail "no \"$2\" in $1 within $3 s"; }
+    sleep 0.05
+  done
+}
+
+# running PID: the process exists and is not a zombie (kill -0 succeeds on a zombie).
+running() {
+  local state
+  state=$(sed -n 's/^[0-9]* (.*) \([A-Za-z]\) .*/\1/p' "/proc/$1/stat" 2>/dev/null)
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+now() { date +%s.%N; }
+since() { python3 -c "import sys; print(round($(now) - $1, 2))"; }
+
+# on HOST CMD...: runs CMD in HOST (its network and UTS namespaces) with the host's own HOME,
+# TMPDIR and XDG_RUNTIME_DIR. nsenter execs CMD, so `on ... &` leaves CMD's pid in $!.
+on() {
+  local h=$1; shift
+  HOME="$TMP/$h/home" TMPDIR="$TMP/$h/tmp" XDG_RUNTIME_DIR="$TMP/$h/run" \
+    nsenter --net="/run/netns/$NS-$h" --uts="$TMP/uts/$h" -- "$@"
+}
+
+# The switch (a bridge in its own namespace) and three hosts, each on one port of it.
+make_hosts() {
+  ip netns add "$NS-sw" || fail "cannot create namespace $NS-sw"
+  NAMESPACES+=("$NS-sw")
+  ip -n "$NS-sw" link add br0 type bridge || fail "cannot create the bridge"
+  ip -n "$NS-sw" link set br0 up
+  mkdir -p "$TMP/uts"
+  local i=0 h
+  for h in "${HOSTS[@]}"; do
+    i=$((i + 1))
+    ip netns add "$NS-$h" || fail "cannot create namespace $NS-$h"
+    NAMESPACES+=("$NS-$h")
+    # One veth pair: port-$h on the switch, eth0 in the host; both names are namespace-local.
+    ip -n "$NS-sw" link add "port-$h" mtu 1500 type veth peer name eth0 mtu 1500 netns "$NS-$h" ||
+      fail "cannot create the veth pair of $h"
+    ip -n "$NS-sw" link set "port-$h" master br0
+    ip -n "$NS-sw" link set "port-$h" up
+    ip -n "$NS-$h" link set lo up
+    ip -n "$NS-$h" addr add "$NET.$i/24" dev eth0
+    ip -n "$NS-$h" link set eth0 up
+    # Its own hostname, in a UTS namespace kept by a bind mount (no process needed).
+    touch "$TMP/uts/$h"
+    UTS+=("$TMP/uts/$h")
+    unshare --uts="$TMP/uts/$h" hostname "twk-$h" || fail "cannot create the UTS namespace of $h"
+    mkdir -p "$TMP/$h/home" "$TMP/$h/tmp" "$TMP/$h/run"
+  done
+  # The hosts reach each other through the switch (bounded: 5 s for the ports to forward).
+  local n
+  for h in h2 h3; do
+    for n in $(seq 50); do
+      on h1 ping -c1 -W1 -q "$NET.${h#h}" >/dev/null 2>&1 && break
+      [ "$n" -lt 50 ] || fail "host 1 cannot reach $h through the switch"
+      sleep 0.1
+    done
+  done
+  [ "$(on h2 hostname)" = twk-h2 ] || fail "host 2's hostname is $(on h2 hostname)"
+}
+
+# Every member its own key pair; the head admits the members' public keys.
+make_keys() {
+  local who
+  for who in head h1 h2 h3; do
+    run 0 "$TWK" keygen --out "$TMP/keys/$who"
+  done
+  cat "$TMP/keys/h1/twinkle.pub" "$TMP/keys/h2/twinkle.pub" "$TMP/keys/h3/twinkle.pub" \
+    >"$TMP/keys/authorized_keys"
+}
+member() { echo --key "$TMP/keys/$1/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"; }
+
+# The head in host 1 (no agent there), agents h2 and h3 in hosts 2 and 3 with 4 CPUs each.
+start_cluster() {
+  make_hosts
+  make_keys
+  on h1 "$TWK" node start --head --no-agent --bind "$NET.1" --port "$PORT" \
+    --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/authorized_keys" \
+    >"$TMP/head.log" 2>&1 &
+  HEAD_PID=$!
+  PIDS+=($HEAD_PID)
+  wait_for "$TMP/head.log" "listening on" 10
+  grep -qF "$ADDR" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the head does not listen on $ADDR"; }
+  local h
+  for h in h2 h3; do
+    # shellcheck disable=SC2046
+    on "$h" "$TWK" node start --address "$ADDR" --node-id "$h" --cpus 4 \
+      --cache-dir "$TMP/$h/cache" $(member "$h") >"$TMP/agent-$h.log" 2>&1 &
+    PIDS+=($!)
+    eval "AGENT_$h=$!"
+  done
+  for h in h2 h3; do wait_for "$TMP/agent-$h.log" "joined the cluster" 10; done
+}
+
+# nodes_json: `twinkle nodes --json` asked from host 1, into $TMP/out.
+# shellcheck disable=SC2046
+nodes_json() { run 0 on h1 "$TWK" nodes --address "$ADDR" $(member h1) --json; }
+reservations() {
+  nodes_json
+  python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["reservations"]))' "$TMP/out"
+}
+expect_no_reservations() {  # bounded: $1 s
+  local deadline=$((SECONDS + ${1:-5}))
+  until [ "$(reservations)" = 0 ]; do
+    [ $SECONDS -lt $deadline ] || { cat "$TMP/out"; fail "the reservation was not released"; }
+    sleep 0.2
+  done
+}
+
+# workers_on HOST: the pids of workers in HOST's network namespace.
+workers_on() {
+  local p
+  for p in $(ip netns pids "$NS-$1" 2>/dev/null); do
+    running "$p" && tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "worker --endpoint" &&
+      echo "$p"
+  done
+}
+# any_workers: pids of workers of this test anywhere (on a host or not).
+any_workers() {
+  { for h in "${HOSTS[@]}"; do workers_on "$h"; done
+    pgrep -f -- "worker --endpoint .* --plugin $TMP/"; } | sort -u
+}
+# expect_no_workers SECONDS: no worker left on any host within SECONDS (bounded loop).
+expect_no_workers() {
+  local deadline=$(($(date +%s%N) / 1000000 + $1 * 1000)) left
+  while left=$(any_workers) && [ -n "$left" ]; do
+    if [ $(($(date +%s%N) / 1000000)) -ge $deadline ]; then
+      for p in $left; do tr '\0' ' ' <"/proc/$p/cmdline"; echo; done
+      fail "workers left running after $1 s: $left"
+    fi
+    sleep 0.05
+  done
+}
+
+case "$CASE" in
+  netns_digits)
+    start_cluster
+    # Both agents ALIVE, with their namespace addresses and hostnames.
+    nodes_json
+    python3 - "$TMP/out" "$NET" <<'PY' || { cat "$TMP/out"; fail "nodes --json: h2 and h3 ALIVE at their addresses expected"; }
+import json, sys
+d = json.load(open(sys.argv[1]))
+net = sys.argv[2]
+nodes = {n["id"]: n for n in d["nodes"]}
+assert sorted(nodes) == ["h2", "h3"], nodes
+for i in ("2", "3"):
+    n = nodes["h" + i]
+    assert n["state"] == "ALIVE", n
+    assert n["address"] == f"{net}.{i}", n
+    assert n["host"] == "twk-h" + i, n
+assert d["reservations"] == [], d["reservations"]
+PY
+    # digits in remote mode, spread so that both hosts get workers (4 ranks, 4 CPUs each).
+    mkdir -p "$TMP/job"
+    sed -e 's/^mode *=.*/mode = "remote"/' \
+      -e "s|^plugin *=.*|plugin = \"$EXAMPLES/digits/libdigits.so\"|" \
+      -e 's/^device *= *"cpu".*/&\nplacement = "spread"/' \
+      "$SRC/examples/digits/job.toml" >"$TMP/job/digits.toml"
+    grep -q '^placement = "spread"' "$TMP/job/digits.toml" || fail "could not add the placement"
+    cp "$SRC/examples/digits/digits.csv.gz" "$TMP/job/"
+    # shellcheck disable=SC2046
+    run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" $(member h1)
+    hosts=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" ".join(sorted({w["host"].split()[0] for g in d["groups"] for w in g["workers"]})))' "$TMP/out")
+    [ "$hosts" = "h2 h3" ] || { cat "$TMP/out"; fail "the placement must use both hosts, not: $hosts"; }
+    started=$(now)
+    # shellcheck disable=SC2046
+    run 0 on h1 "$TWK" run "$TMP/job/digits.toml" --address "$ADDR" $(member h1)
+    echo "digits across two namespace-hosts: $(since "$started") s"
+    remote=$(sed -n 's/^final loss: //p' "$TMP/out")
+    [ -n "$remote" ] || { cat "$TMP/out"; fail "no final loss in remote mode"; }
+    for h in h2 h3; do
+      grep -q "started [0-9]* worker(s)" "$TMP/agent-$h.log" ||
+        { cat "$TMP/agent-$h.log"; fail "agent $h started no workers"; }
+      ls "$TMP/$h/cache/"*.so >/dev/null 2>&1 || fail "the plugin did not reach $h's cache"
+    done
+    # The same job in local mode, in the root namespace.
+    sed -e 's/^mode = "remote"/mode = "local"/' "$TMP/job/digits.toml" >"$TMP/job/digits-local.toml"
+    run 0 "$TWK" run "$TMP/job/digits-local.toml"
+    local_loss=$(sed -n 's/^final loss: //p' "$TMP/out")
+    echo "final loss: remote $remote, local $local_loss"
+    python3 -c "import sys; a,b=float('$remote'),float('$local_loss'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
+      fail "digits: remote final loss $remote, local $local_loss"
+    expect_no_reservations 5
+    expect_no_workers 5
+    ;;
+
+  netns_link_down)
+    start_cluster
+    mkdir -p "$TMP/job"
+    cat >"$TMP/job/hang.toml" <<TOML
+[job]
+name = "hang"
+mode = "remote"
+plugin = "$PLUGIN"
+timeout_s = 30
+queue_timeout_s = 10
+
+[[group]]
+name = "a"
+ranks = 2
+placement = "strict_spread"
+
+[[group]]
+name = "b"
+ranks = 1
+
+[args]
+tag = "t"
+TOML
+    # shellcheck disable=SC2046
+    on h1 "$TWK" run --set job.driver=hang "$TMP/job/hang.toml" --address "$ADDR" $(member h1) \
+      >"$TMP/run.out" 2>"$TMP/run.err" &
+    DRIVER=$!
+    PIDS+=($DRIVER)
+    wait_for "$TMP/run.out" "ALL READY" 30
+    [ -n "$(workers_on h2)" ] || fail "no workers on h2 before the cut"
+    [ -n "$(workers_on h3)" ] || fail "no workers on h3 before the cut"
+    # The silent cut: host 3's port on the switch goes down, its packets are dropped.
+    cut=$(now)
+    ip -n "$NS-sw" link set port-h3 down || fail "cannot take port-h3 down"
+    # The driver fails within the 3 s silence limit plus a margin for a loaded machine.
+    deadline=$((SECONDS + 12))
+    while running $DRIVER; do
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.err"; fail "the driver still runs 12 s after the cut"; }
+      sleep 0.05
+    done
+    took=$(since "$cut")
+    wait $DRIVER
+    rc=$?
+    echo "link down to failed run: $took s"
+    [ $rc -eq 1 ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "driver exited $rc, expected 1"; }
+    grep -qF "node h3 is DEAD" "$TMP/run.err" || { cat "$TMP/run.err"; fail "no DEAD node line for h3"; }
+    python3 -c "import sys; sys.exit(0 if $took < 8 else 1)" || fail "the cut took $took s to fail the run"
+    expect_no_reservations 5
+    # Workers on h3 cannot hear from their driver any more: they end by themselves.
+    expect_no_workers 8
+    echo "link down to no workers on any host: $(since "$cut") s"
+    running "$AGENT_h3" || { cat "$TMP/agent-h3.log"; fail "the agent on h3 died with its link"; }
+    running "$AGENT_h2" || { cat "$TMP/agent-h2.log"; fail "the agent on h2 died"; }
+    grep -qF "node h3" "$TMP/head.log" && grep "node h3.*DEAD" "$TMP/head.log" >/dev/null ||
+      { cat "$TMP/head.log"; fail "the head did not log h3 as DEAD"; }
+    ;;
+
+  *) fail "unknown case $CASE" ;;
+esac
+echo "PASS cluster $CASE"
