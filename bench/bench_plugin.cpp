@@ -126,6 +126,22 @@ TWINKLE_DRIVER(dispatch, twinkle::Driver& d) {
   figure("dispatch_bandwidth", static_cast<double>(t.nbytes()) / best / 1e9, "GB/s");
 }
 
+// A tensor of dispatch_mib to the two workers of group "two" (slice_dp: half each), best of 3.
+TWINKLE_DRIVER(dispatch_two, twinkle::Driver& d) {
+  const std::int64_t mib = d.args()["dispatch_mib"].as<std::int64_t>();
+  auto two = d.create<Bench>("two");
+  Tensor t(twinkle::DType::f32, {mib * 1024 * 256});
+  two.call("take", Tensor(twinkle::DType::f32, {8 * 1024})).get();  // warm-up
+  double best = 1e300;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    const auto got = two.call("take", t).get().as<std::int64_t>();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+    if (got != static_cast<std::int64_t>(t.nbytes())) throw std::runtime_error("lost bytes");
+  }
+  figure("dispatch_two_bandwidth", static_cast<double>(t.nbytes()) / best / 1e9, "GB/s");
+}
+
 TWINKLE_DRIVER(first_call, twinkle::Driver& d) {
   auto eight = d.create<Bench>("eight");
   eight.call("noop").get();

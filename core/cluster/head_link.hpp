@@ -43,6 +43,9 @@ class HeadLink {
   // are dropped). Throws TransportError when none comes.
   Message request(const Message& m, MsgType expect, std::chrono::milliseconds timeout);
 
+  // Before start(): sends `m` and expects no answer.
+  void send(const Message& m) { transport::send_message(socket_, m); }
+
   // Starts the thread. `on_message` and `beat` run on it.
   void start(Handler on_message, Beat beat);
   // Thread-safe: queues `m` for the head (dropped when the head is unreachable for long).
