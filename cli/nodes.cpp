@@ -1,6 +1,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <string>
 
@@ -10,6 +11,7 @@
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
 #include "core/cluster/head_link.hpp"
+#include "core/cluster/slurm.hpp"
 #include "core/job/resources.hpp"
 #include "twinkle/value.hpp"
 
@@ -102,9 +104,34 @@ int run_cluster_nodes(const NodesOptions& o, const std::string& address) {
   return 0;
 }
 
+// Inside a Slurm allocation: its nodes and what the job holds on each.
+int run_slurm_nodes(const NodesOptions& o) {
+  const auto a = core::cluster::slurm_allocation();
+  if (o.json) {
+    nlohmann::json nodes = nlohmann::json::array();
+    for (const auto& n : a.nodes) {
+      nodes.push_back({{"id", n.name},
+                       {"address", n.address},
+                       {"state", "ALLOCATED"},
+                       {"cpus", n.cpus},
+                       {"gpus", n.gpus}});
+    }
+    fmt::print("{}\n",
+               nlohmann::json{{"mode", "slurm"}, {"job_id", a.job_id}, {"nodes", nodes}}.dump(2));
+    return 0;
+  }
+  fmt::print("Slurm job {}: {} node{} (launcher = \"slurm\" runs one agent on each)\n", a.job_id,
+             a.nodes.size(), a.nodes.size() == 1 ? "" : "s");
+  fmt::print("{:<20} {:<16} {:>5} {:>5}\n", "NODE", "ADDRESS", "CPUS", "GPUS");
+  for (const auto& n : a.nodes)
+    fmt::print("{:<20} {:<16} {:>5} {:>5}\n", n.name, n.address, n.cpus, n.gpus);
+  return 0;
+}
+
 int run_nodes(const NodesOptions& o) {
   if (const std::string address = o.cluster.resolve(); !address.empty())
     return run_cluster_nodes(o, address);
+  if (const char* job = std::getenv("SLURM_JOB_ID"); job && *job) return run_slurm_nodes(o);
   core::NodeResources r = core::discover_local();
   if (o.json) {
     nlohmann::json gpus = nlohmann::json::array();

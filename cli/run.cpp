@@ -1,3 +1,4 @@
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "cli/commands.hpp"
 #include "cli/exit_codes.hpp"
 #include "core/cluster/remote_site.hpp"
+#include "core/cluster/slurm.hpp"
 #include "core/runtime/driver.hpp"
 #include "core/runtime/worker.hpp"
 
@@ -24,17 +26,24 @@ struct RunCliOptions {
   bool quiet = false;
   bool ascii = false;
   ClusterFlags cluster;
+  std::string launcher;
 };
 
 int run_run(const RunCliOptions& o) {
   core::RunOptions r;
   r.job_file = o.job_file;
   for (const auto& s : o.overrides) r.overrides.push_back(core::parse_override(s));
+  if (!o.launcher.empty()) r.overrides.push_back(core::Override{"job.launcher", o.launcher});
   r.gpus = o.gpus;
   if (!o.log_dir.empty()) r.log_dir = o.log_dir;
   r.quiet = o.quiet;
   r.ascii = o.ascii;
-  r.connect = [cluster = o.cluster](const core::Job& job) {
+  r.connect = [cluster = o.cluster](const core::Job& job) -> std::unique_ptr<core::RemoteSite> {
+    if (job.launcher == "slurm") {
+      std::error_code ec;
+      return core::cluster::start_slurm_site(core::cluster::slurm_allocation(),
+                                             std::filesystem::read_symlink("/proc/self/exe", ec));
+    }
     const std::string address = cluster.resolve(job.address);
     if (address.empty()) {
       throw ConfigError(
@@ -71,6 +80,10 @@ void setup_run(CLI::App& app, Action& action) {
   sub->add_flag("--quiet", o->quiet, "Show only the driver's output, not the workers'");
   sub->add_flag("--ascii", o->ascii, "Draw the topology with plain ASCII");
   add_cluster_flags(sub, o->cluster);
+  sub->add_option("--launcher", o->launcher,
+                  "slurm: run inside a Slurm allocation, one node agent per node (srun); same "
+                  "as job.launcher")
+      ->check(CLI::IsMember({"slurm", "local"}));
   sub->callback([o, &action] { action = [o] { return run_run(*o); }; });
 }
 

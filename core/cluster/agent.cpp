@@ -223,6 +223,7 @@ struct Agent::State {
     };
     try {
       j.spawner = std::make_unique<Spawner>(so, [this, run](const ProcessExit& e) {
+        log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, e.describe()));
         Value tail = Value::list();
         for (const auto& line : e.last_stderr) tail.push_back(line);
         post(MsgType::worker_exit, Value::map({{"run", run},
@@ -359,7 +360,11 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
     s.resources.gpus.clear();
     for (int i = 0; i < *s.o.gpus; ++i) s.resources.gpus.push_back(GpuInfo{i, "", 0, ""});
   }
-  if (s.o.cpus) s.resources.cpus = *s.o.cpus;
+  if (s.o.cpus) {
+    s.resources.cpus = *s.o.cpus;
+  } else if (const char* slurm = std::getenv("SLURM_CPUS_ON_NODE"); slurm && std::atoi(slurm) > 0) {
+    s.resources.cpus = std::atoi(slurm);  // what the Slurm allocation holds on this node
+  }
   s.host = s.resources.hostname;
   if (s.o.node_id.empty()) s.o.node_id = s.host;
   if (s.o.node_ip.empty()) s.o.node_ip = route_source_address(endpoint_host(s.o.address));

@@ -48,8 +48,8 @@ std::string driver_identity() {
 
 class ClusterSite : public RemoteSite {
  public:
-  ClusterSite(const std::string& address, const KeyOptions& keys)
-      : security_(member_security(keys, address)), link_(address, security_, driver_identity()) {}
+  ClusterSite(const std::string& address, const transport::SocketSecurity& security)
+      : security_(security), link_(address, security_, driver_identity()) {}
 
   ~ClusterSite() override {
     if (!run_.empty()) link_.post(Message{MsgType::release, 0, Value::map({{"run", run_}})});
@@ -429,7 +429,12 @@ void ClusterSite::on_message(Message& m) {
 }  // namespace
 
 std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOptions& keys) {
-  return std::make_unique<ClusterSite>(address, keys);
+  return std::make_unique<ClusterSite>(address, member_security(keys, address));
+}
+
+std::unique_ptr<RemoteSite> connect_site(const std::string& address,
+                                         const transport::SocketSecurity& security) {
+  return std::make_unique<ClusterSite>(address, security);
 }
 
 }  // namespace twinkle::core::cluster

@@ -12,5 +12,8 @@ namespace twinkle::core::cluster {
 // `address`, workers started through the agents. Throws TransportError when the head refuses this
 // member or does not answer.
 std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOptions& keys);
+// The same with the keys given (a cluster made for one run).
+std::unique_ptr<RemoteSite> connect_site(const std::string& address,
+                                         const transport::SocketSecurity& security);
 
 }  // namespace twinkle::core::cluster

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -81,6 +82,20 @@ HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host) {
 
 transport::SocketSecurity member_security(const KeyOptions& o, const std::string& address) {
   transport::SocketSecurity out;
+  // A cluster made for one run (the Slurm launcher) hands its members their keys directly.
+  if (const char* session = std::getenv("TWINKLE_SESSION_KEYS"); session && o.key.empty()) {
+    std::istringstream in(session);
+    transport::KeyPair k;
+    std::string head;
+    in >> k.public_key >> k.secret_key >> head;
+    if (!transport::is_z85_key(k.public_key) || !transport::is_z85_key(k.secret_key) ||
+        !transport::is_z85_key(head)) {
+      throw ConfigError("TWINKLE_SESSION_KEYS must hold three Z85 keys: public, secret, head's");
+    }
+    out.keys = k;
+    out.server_key = head;
+    return out;
+  }
   const std::string key = pick(o.key, "TWINKLE_KEY", "twinkle.key");
   if (key.empty()) {
     if (!transport::is_loopback_host(host_of(address))) {

@@ -383,7 +383,7 @@ class JobReader {
   void read_job(const toml::table& t, Job& job) {
     check_keys(t, "job",
                {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
-                "nproc_per_node", "queue_timeout_s", "placement"});
+                "nproc_per_node", "queue_timeout_s", "placement", "launcher"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -455,6 +455,18 @@ class JobReader {
       }
     }
     if (auto n = t.get("placement")) job.placement = read_strategy(*n, "job.placement");
+    if (auto n = t.get("launcher")) {
+      job.launcher = get_string(*n, "job.launcher");
+      if (job.launcher != "slurm" && job.launcher != "local") {
+        fail(*n, "job.launcher",
+             fmt::format("job.launcher must be \"slurm\" (inside a Slurm allocation) or "
+                         "\"local\", not \"{}\"",
+                         job.launcher));
+      }
+      if (job.launcher == "local") job.launcher.clear();
+      // Under Slurm the allocation is the cluster: the job runs in remote mode.
+      if (job.launcher == "slurm") job.mode = Mode::remote;
+    }
   }
 
   PlacementStrategy read_strategy(const toml::node& n, const std::string& path) const {

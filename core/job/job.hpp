@@ -69,6 +69,7 @@ struct Job {
   double timeout_s = 600;
   std::string collectives = "auto";  // "auto" | "shm" | "gloo": the cpu groups' backend
   std::string address;
+  std::string launcher;          // "" (by mode) | "slurm": remote mode inside a Slurm allocation
   int nproc_per_node = 0;        // 0: not set
   double queue_timeout_s = 300;  // remote mode: how long to wait for busy devices
   PlacementStrategy placement = PlacementStrategy::pack;

@@ -72,6 +72,7 @@ Value job_to_value(const Job& job) {
                           {"address", job.address},
                           {"nproc_per_node", job.nproc_per_node},
                           {"queue_timeout_s", job.queue_timeout_s},
+                          {"launcher", job.launcher},
                           {"placement", std::string(to_string(job.placement))},
                           {"groups", groups},
                           {"args", job.args}});
@@ -100,6 +101,7 @@ Job job_from_value(const Value& v) {
     job.address = v["address"].as<std::string>();
     job.nproc_per_node = v["nproc_per_node"].as<int>();
     job.queue_timeout_s = v["queue_timeout_s"].as<double>();
+    job.launcher = v["launcher"].as<std::string>();
     job.placement = strategy(v["placement"].as<std::string>());
     for (const auto& g : v["groups"]) {
       GroupSpec s;

@@ -325,6 +325,29 @@ ranks = 1'
     expect_no_workers
     ;;
 
+  daemon)
+    # A head (with its own agent) in the background: the command returns once it serves, and
+    # `node stop` ends it through its pid file.
+    run 0 "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 8 --daemon \
+      --pid-file "$TMP/node.pid" --log-file "$TMP/node.log" --cache-dir "$TMP/cache-head"
+    [ -s "$TMP/node.pid" ] || fail "--daemon wrote no pid file"
+    pid=$(cat "$TMP/node.pid")
+    PIDS+=($pid)
+    ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/node.log" | head -1)
+    [ -n "$ADDR" ] || { cat "$TMP/node.log"; fail "the daemon logged no address"; }
+    run 0 "$TWK" nodes --address "$ADDR"
+    expect_out "ALIVE"
+    remote_job d "$PLUGIN" "$two_groups"
+    run 0 "$TWK" run --set job.driver=modes "$TMP/d.toml" --address "$ADDR"
+    run 0 "$TWK" node stop --pid-file "$TMP/node.pid"
+    expect_out "stopped the node (pid $pid)"
+    [ ! -e "/proc/$pid" ] || grep -q '^[0-9]* ([^)]*) Z' "/proc/$pid/stat" || fail "the daemon still runs"
+    [ ! -e "$TMP/node.pid" ] || fail "the pid file was left behind"
+    run 2 "$TWK" node stop --pid-file "$TMP/node.pid"
+    expect_err "no pid file of a node started with --daemon"
+    expect_no_workers
+    ;;
+
   *) fail "unknown case $CASE" ;;
 esac
 echo "PASS cluster $CASE"

@@ -6,7 +6,7 @@
 # Needs root and ip, nsenter and unshare (exit 77 otherwise). Nothing is ever sent from the root
 # namespace to the hosts' addresses: every command that talks to the cluster runs inside host 1.
 # Usage: cluster_netns.sh TWINKLE_BINARY SOURCE_ROOT FIXTURE_PLUGIN EXAMPLES_BUILD_DIR CASE
-TWK=$1
+TWK=$(readlink -f -- "$1")  # meson passes ./twinkle, relative to the build dir
 SRC=$2
 PLUGIN=$3
 EXAMPLES=$4
@@ -21,6 +21,8 @@ unshare --net --uts true 2>/dev/null || { echo "SKIP: cannot create network name
 
 source "$SRC/tests/integration/lib.sh"
 
+export HOME="$TMP/home"  # what runs in the root namespace (keygen, the local run) keeps out of ~
+mkdir -p "$HOME"
 unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINKLE_HOME
 NET=10.77.0            # the hosts' /24: host N is $NET.N
 PORT=7100              # each host has its own network stack, so the default port is free
@@ -30,21 +32,30 @@ HOSTS=(h1 h2 h3)
 NAMESPACES=()          # every namespace this run made (for the cleanup)
 UTS=()                 # every UTS namespace bind mount this run made
 PIDS=()
+declare -A AGENT     # node id -> its agent's pid
 
 # Kills everything this test started, on every host, then removes the namespaces, the UTS bind
 # mounts and the temporary directory. Runs on every exit, failures and signals included.
 cleanup() {
   trap - EXIT
-  local p ns n
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  local p ns n left
+  # Heads, agents and drivers first stop cleanly (agents stop their workers), then by force.
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for n in $(seq 30); do  # bounded: 3 s
+    left=""
+    for p in "${PIDS[@]}"; do running "$p" && left+=" $p"; done
+    [ -z "$left" ] && break
+    sleep 0.1
+  done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
   pkill -KILL -f -- "$TMP/" 2>/dev/null  # workers run from the agents' caches under $TMP
   for ns in "${NAMESPACES[@]}"; do
     for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
   done
-  for n in $(seq 50); do  # until they are reaped (bounded: 5 s)
-    alive=""
-    for ns in "${NAMESPACES[@]}"; do alive+=$(ip netns pids "$ns" 2>/dev/null); done
-    [ -z "$alive" ] && break
+  for n in $(seq 50); do  # until every process of a host is gone (bounded: 5 s)
+    left=""
+    for ns in "${NAMESPACES[@]}"; do left+=$(ip netns pids "$ns" 2>/dev/null); done
+    [ -z "$left" ] && break
     sleep 0.1
   done
   for ns in "${NAMESPACES[@]}"; do ip netns delete "$ns" 2>/dev/null; done
@@ -75,11 +86,21 @@ now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - $1, 2))"; }
 
 # on HOST CMD...: runs CMD in HOST (its network and UTS namespaces) with the host's own HOME,
-# TMPDIR and XDG_RUNTIME_DIR. nsenter execs CMD, so `on ... &` leaves CMD's pid in $!.
+# TMPDIR and XDG_RUNTIME_DIR.
 on() {
   local h=$1; shift
-  HOME="$TMP/$h/home" TMPDIR="$TMP/$h/tmp" XDG_RUNTIME_DIR="$TMP/$h/run" \
+  env HOME="$TMP/$h/home" TMPDIR="$TMP/$h/tmp" XDG_RUNTIME_DIR="$TMP/$h/run" \
     nsenter --net="/run/netns/$NS-$h" --uts="$TMP/uts/$h" -- "$@"
+}
+# spawn OUT ERR HOST CMD...: CMD in HOST in the background, stdout to OUT and stderr to ERR (- for
+# OUT too); its pid in SPAWNED and PIDS. env and nsenter exec, so that pid is CMD's own.
+spawn() {
+  local out=$1 err=$2 h=$3; shift 3
+  [ "$err" = - ] && err=/dev/stdout
+  env HOME="$TMP/$h/home" TMPDIR="$TMP/$h/tmp" XDG_RUNTIME_DIR="$TMP/$h/run" \
+    nsenter --net="/run/netns/$NS-$h" --uts="$TMP/uts/$h" -- "$@" >"$out" 2>"$err" &
+  SPAWNED=$!
+  PIDS+=("$SPAWNED")
 }
 
 # The switch (a bridge in its own namespace) and three hosts, each on one port of it.
@@ -108,12 +129,12 @@ make_hosts() {
     unshare --uts="$TMP/uts/$h" hostname "twk-$h" || fail "cannot create the UTS namespace of $h"
     mkdir -p "$TMP/$h/home" "$TMP/$h/tmp" "$TMP/$h/run"
   done
-  # The hosts reach each other through the switch (bounded: 5 s for the ports to forward).
+  # Every port of the switch forwards (bounded: 5 s); the agents joining shows the rest.
   local n
-  for h in h2 h3; do
+  for h in "${HOSTS[@]}"; do
     for n in $(seq 50); do
-      on h1 ping -c1 -W1 -q "$NET.${h#h}" >/dev/null 2>&1 && break
-      [ "$n" -lt 50 ] || fail "host 1 cannot reach $h through the switch"
+      ip -n "$NS-sw" -d link show "port-$h" | grep -q "state forwarding" && break
+      [ "$n" -lt 50 ] || fail "the switch's port to $h does not forward"
       sleep 0.1
     done
   done
@@ -128,34 +149,33 @@ make_keys() {
   done
   cat "$TMP/keys/h1/twinkle.pub" "$TMP/keys/h2/twinkle.pub" "$TMP/keys/h3/twinkle.pub" \
     >"$TMP/keys/authorized_keys"
+  # KEYS_hN: the flags of member hN (its key pair, the head's public key as its pin).
+  local pin=(--head-key "$TMP/keys/head/twinkle.pub")
+  KEYS_h1=(--key "$TMP/keys/h1/twinkle.key" "${pin[@]}")
+  KEYS_h2=(--key "$TMP/keys/h2/twinkle.key" "${pin[@]}")
+  KEYS_h3=(--key "$TMP/keys/h3/twinkle.key" "${pin[@]}")
 }
-member() { echo --key "$TMP/keys/$1/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"; }
 
 # The head in host 1 (no agent there), agents h2 and h3 in hosts 2 and 3 with 4 CPUs each.
 start_cluster() {
   make_hosts
   make_keys
-  on h1 "$TWK" node start --head --no-agent --bind "$NET.1" --port "$PORT" \
-    --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/authorized_keys" \
-    >"$TMP/head.log" 2>&1 &
-  HEAD_PID=$!
-  PIDS+=($HEAD_PID)
+  spawn "$TMP/head.log" - h1 "$TWK" node start --head --no-agent --bind "$NET.1" \
+    --port "$PORT" --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/authorized_keys"
   wait_for "$TMP/head.log" "listening on" 10
   grep -qF "$ADDR" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the head does not listen on $ADDR"; }
   local h
   for h in h2 h3; do
-    # shellcheck disable=SC2046
-    on "$h" "$TWK" node start --address "$ADDR" --node-id "$h" --cpus 4 \
-      --cache-dir "$TMP/$h/cache" $(member "$h") >"$TMP/agent-$h.log" 2>&1 &
-    PIDS+=($!)
-    eval "AGENT_$h=$!"
+    local keys="KEYS_${h}[@]"
+    spawn "$TMP/agent-$h.log" - "$h" "$TWK" node start --address "$ADDR" \
+      --node-id "$h" --cpus 4 --cache-dir "$TMP/$h/cache" "${!keys}"
+    AGENT[$h]=$SPAWNED
   done
   for h in h2 h3; do wait_for "$TMP/agent-$h.log" "joined the cluster" 10; done
 }
 
 # nodes_json: `twinkle nodes --json` asked from host 1, into $TMP/out.
-# shellcheck disable=SC2046
-nodes_json() { run 0 on h1 "$TWK" nodes --address "$ADDR" $(member h1) --json; }
+nodes_json() { run 0 on h1 "$TWK" nodes --address "$ADDR" "${KEYS_h1[@]}" --json; }
 reservations() {
   nodes_json
   python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["reservations"]))' "$TMP/out"
@@ -181,15 +201,16 @@ any_workers() {
   { for h in "${HOSTS[@]}"; do workers_on "$h"; done
     pgrep -f -- "worker --endpoint .* --plugin $TMP/"; } | sort -u
 }
-# expect_no_workers SECONDS: no worker left on any host within SECONDS (bounded loop).
+# expect_no_workers SECONDS [FROM]: no worker left on any host within SECONDS of FROM (a `now`
+# time; default now), in a bounded loop.
 expect_no_workers() {
-  local deadline=$(($(date +%s%N) / 1000000 + $1 * 1000)) left
+  local from=${2:-$(now)} left p
   while left=$(any_workers) && [ -n "$left" ]; do
-    if [ $(($(date +%s%N) / 1000000)) -ge $deadline ]; then
+    if python3 -c "import sys; sys.exit(0 if $(now) - $from > $1 else 1)"; then
       for p in $left; do tr '\0' ' ' <"/proc/$p/cmdline"; echo; done
-      fail "workers left running after $1 s: $left"
+      fail "workers left running $1 s after the deadline's start: $left"
     fi
-    sleep 0.05
+    sleep 0.1
   done
 }
 
@@ -219,13 +240,11 @@ PY
       "$SRC/examples/digits/job.toml" >"$TMP/job/digits.toml"
     grep -q '^placement = "spread"' "$TMP/job/digits.toml" || fail "could not add the placement"
     cp "$SRC/examples/digits/digits.csv.gz" "$TMP/job/"
-    # shellcheck disable=SC2046
-    run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" $(member h1)
+    run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
     hosts=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" ".join(sorted({w["host"].split()[0] for g in d["groups"] for w in g["workers"]})))' "$TMP/out")
     [ "$hosts" = "h2 h3" ] || { cat "$TMP/out"; fail "the placement must use both hosts, not: $hosts"; }
     started=$(now)
-    # shellcheck disable=SC2046
-    run 0 on h1 "$TWK" run "$TMP/job/digits.toml" --address "$ADDR" $(member h1)
+    run 0 on h1 "$TWK" run "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
     echo "digits across two namespace-hosts: $(since "$started") s"
     remote=$(sed -n 's/^final loss: //p' "$TMP/out")
     [ -n "$remote" ] || { cat "$TMP/out"; fail "no final loss in remote mode"; }
@@ -268,11 +287,9 @@ ranks = 1
 [args]
 tag = "t"
 TOML
-    # shellcheck disable=SC2046
-    on h1 "$TWK" run --set job.driver=hang "$TMP/job/hang.toml" --address "$ADDR" $(member h1) \
-      >"$TMP/run.out" 2>"$TMP/run.err" &
-    DRIVER=$!
-    PIDS+=($DRIVER)
+    spawn "$TMP/run.out" "$TMP/run.err" h1 \
+      "$TWK" run --set job.driver=hang "$TMP/job/hang.toml" --address "$ADDR" "${KEYS_h1[@]}"
+    DRIVER=$SPAWNED
     wait_for "$TMP/run.out" "ALL READY" 30
     [ -n "$(workers_on h2)" ] || fail "no workers on h2 before the cut"
     [ -n "$(workers_on h3)" ] || fail "no workers on h3 before the cut"
@@ -293,12 +310,16 @@ TOML
     grep -qF "node h3 is DEAD" "$TMP/run.err" || { cat "$TMP/run.err"; fail "no DEAD node line for h3"; }
     python3 -c "import sys; sys.exit(0 if $took < 8 else 1)" || fail "the cut took $took s to fail the run"
     expect_no_reservations 5
-    # Workers on h3 cannot hear from their driver any more: they end by themselves.
-    expect_no_workers 8
+    nodes_json
+    python3 -c 'import json,sys; s={n["id"]: n["state"] for n in json.load(open(sys.argv[1]))["nodes"]}; assert s=={"h2": "ALIVE", "h3": "DEAD"}, s' "$TMP/out" ||
+      { cat "$TMP/out"; fail "nodes: h2 ALIVE and h3 DEAD expected"; }
+    # Workers on h3 cannot hear from their driver any more: they end by themselves, within the
+    # 3 s silence limit plus margins, counted from the cut.
+    expect_no_workers 8 "$cut"
     echo "link down to no workers on any host: $(since "$cut") s"
-    running "$AGENT_h3" || { cat "$TMP/agent-h3.log"; fail "the agent on h3 died with its link"; }
-    running "$AGENT_h2" || { cat "$TMP/agent-h2.log"; fail "the agent on h2 died"; }
-    grep -qF "node h3" "$TMP/head.log" && grep "node h3.*DEAD" "$TMP/head.log" >/dev/null ||
+    running "${AGENT[h3]}" || { cat "$TMP/agent-h3.log"; fail "the agent on h3 died with its link"; }
+    running "${AGENT[h2]}" || { cat "$TMP/agent-h2.log"; fail "the agent on h2 died"; }
+    grep -q "node h3 .*is DEAD" "$TMP/head.log" ||
       { cat "$TMP/head.log"; fail "the head did not log h3 as DEAD"; }
     ;;
 
