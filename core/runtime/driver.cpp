@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -209,6 +210,84 @@ class JobRun : public DriverOps {
   }
 
   Value wait(std::uint64_t future) override { return table_->wait(future); }
+
+  // A communicator across groups: each member learns its rank now (before any call that uses
+  // it, on the same ordered channel); the backend is made when the members first use it.
+  void comm_create(std::string_view name_in, const Value& members, double timeout_s) override {
+    const std::string name(name_in);
+    const bool name_ok = !name.empty() && name.size() <= kMaxGroupName &&
+                         name.find_first_not_of(
+                             "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                             "0123456789_.-") == std::string::npos;
+    if (!name_ok) {
+      throw CallError(fmt::format(
+          "communicator \"{}\": use 1 to {} letters, digits, '_', '.' or '-' for its name", name,
+          kMaxGroupName));
+    }
+    if (name == "ep" || DeviceMesh::is_known_dim(name)) {
+      throw CallError(fmt::format(
+          "communicator \"{}\": the name of a mesh dimension; ctx.comm(\"{}\") means that "
+          "dimension, so choose another name",
+          name, name));
+    }
+    if (!comms_.insert(name).second)
+      throw CallError(fmt::format("communicator \"{}\" is declared already", name));
+    std::vector<std::size_t> peers;
+    std::vector<std::string> names;
+    std::optional<DeviceType> device;
+    for (const auto& m : members) {
+      const std::string group = m[0].as<std::string>();
+      const auto gi = table_->find_group(group);
+      if (!gi) {
+        comms_.erase(name);
+        throw CallError(
+            fmt::format("communicator \"{}\": the job has no group \"{}\"", name, group));
+      }
+      const GroupInfo& g = table_->groups()[*gi];
+      const GroupSpec& spec = job_.groups.at(*gi);
+      if (device && *device != spec.device) {
+        comms_.erase(name);
+        throw CallError(fmt::format(
+            "communicator \"{}\": its members must share one device type (group {} is {})", name,
+            group, to_string(spec.device)));
+      }
+      device = spec.device;
+      std::vector<int> ranks = m[1].as<std::vector<int>>();
+      if (ranks.empty()) {
+        for (std::size_t i = 0; i < g.peers.size(); ++i) ranks.push_back(static_cast<int>(i));
+      }
+      for (int r : ranks) {
+        if (r < 0 || r >= static_cast<int>(g.peers.size())) {
+          comms_.erase(name);
+          throw CallError(fmt::format("communicator \"{}\": group {} has workers 0 to {}, not {}",
+                                      name, group, g.peers.size() - 1, r));
+        }
+        const std::size_t peer = g.peers[static_cast<std::size_t>(r)];
+        if (std::find(peers.begin(), peers.end(), peer) != peers.end()) {
+          comms_.erase(name);
+          throw CallError(
+              fmt::format("communicator \"{}\": {}:{} is listed twice", name, group, r));
+        }
+        peers.push_back(peer);
+        names.push_back(fmt::format("{}:{}", group, r));
+      }
+    }
+    if (peers.empty()) {
+      comms_.erase(name);
+      throw CallError(fmt::format("communicator \"{}\" has no members", name));
+    }
+    Value list = Value::list();
+    for (const auto& n : names) list.push_back(n);
+    for (std::size_t r = 0; r < peers.size(); ++r) {
+      channel_->send(
+          peers[r],
+          Message{MsgType::comm_join, 0,
+                  Value::map({{"name", name},
+                              {"rank", static_cast<int>(r)},
+                              {"members", list},
+                              {"timeout_s", timeout_s > 0 ? timeout_s : job_.timeout_s}})});
+    }
+  }
   void release(std::uint64_t future) noexcept override { table_->release(future); }
 
  private:
@@ -430,6 +509,7 @@ class JobRun : public DriverOps {
   twk_driver_fn driver_fn_ = nullptr;
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
+  std::set<std::string> comms_;  // communicators across groups, by name
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
   std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;

@@ -89,6 +89,12 @@ twk_host_v1 driver_host_table() {
     });
   };
   h.release = [](void* c, std::uint64_t future) { ops(c).release(future); };
+  h.comm_create = [](void* c, const char* name, const twk_value_v1* members, double timeout_s,
+                     twk_sink_v1* err) {
+    return guarded(err, [&] {
+      ops(c).comm_create(name ? name : "", members ? decode(*members) : Value::list(), timeout_s);
+    });
+  };
   return h;
 }
 

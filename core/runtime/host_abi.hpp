@@ -56,6 +56,7 @@ class DriverOps {
                              const twk_value_v1& args, const std::string& caller) = 0;
   virtual Value wait(std::uint64_t future) = 0;
   virtual void release(std::uint64_t future) noexcept = 0;
+  virtual void comm_create(std::string_view name, const Value& members, double timeout_s) = 0;
 };
 
 // The host table for driver entries; its host context must be a DriverOps*.

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <zmq.hpp>
 
 #include "core/job/values.hpp"
@@ -207,6 +208,15 @@ class Worker {
       switch (m->type) {
         case MsgType::create: create(*m); break;
         case MsgType::call: call(*m); break;
+        case MsgType::comm_join: {
+          Cross c;
+          c.rank = m->body["rank"].as<int>();
+          c.members = m->body["members"].as<std::vector<std::string>>();
+          c.timeout = std::chrono::milliseconds(
+              static_cast<std::int64_t>(m->body["timeout_s"].as<double>() * 1000));
+          cross_[m->body["name"].as<std::string>()] = std::move(c);
+          break;
+        }
         case MsgType::shutdown:
           for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
           instances_.clear();
@@ -224,6 +234,12 @@ class Worker {
     const plugins::ClassInfo* cls;
     void* self;
   };
+  // This worker's place in a communicator across groups (Driver::communicator).
+  struct Cross {
+    int rank = 0;
+    std::vector<std::string> members;  // "group:index" by rank
+    std::chrono::milliseconds timeout{0};
+  };
 
   static DType checked_dtype(std::int32_t d) {
     if (!dtype_known(d)) throw ValueError("unknown dtype " + std::to_string(d));
@@ -238,11 +254,44 @@ class Worker {
   // The communicator of `dim` ("" = the group), made on first use: its members are the ranks that
   // share every other mesh coordinate, and its store keys are named after the group, the
   // dimension and the sub-group's index so that every member finds the same ones.
+  // A communicator across groups: every member first says it joined, so that one that never
+  // does is named (instead of a rendezvous key nobody recognises).
+  void join(const std::string& name, const Cross& c, transport::CommConfig& config) {
+    config.name = "cross/" + name;
+    config.rank = c.rank;
+    config.size = static_cast<int>(c.members.size());
+    config.timeout = c.timeout;
+    kv_->set(fmt::format("{}/joined/{}", config.name, c.rank), "1");
+    const auto deadline = std::chrono::steady_clock::now() + c.timeout;
+    std::vector<std::string> missing;
+    for (int r = 0; r < config.size; ++r) {
+      // Past the deadline a member that did join still answers within a round trip.
+      const auto left = std::max(std::chrono::milliseconds(500),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     deadline - std::chrono::steady_clock::now()));
+      try {
+        kv_->get(fmt::format("{}/joined/{}", config.name, r), left);
+      } catch (const TransportError&) {
+        missing.push_back(fmt::format("rank {} ({})", r, c.members[static_cast<std::size_t>(r)]));
+      }
+    }
+    if (!missing.empty()) {
+      throw TransportError(fmt::format(
+          "communicator {}: {} never joined within {:g} s; every member must make the same "
+          "collective calls on it",
+          name, fmt::join(missing, ", "), static_cast<double>(c.timeout.count()) / 1000.0));
+    }
+  }
+
   transport::Communicator& comm(const std::string& dim) {
     if (auto it = comms_.find(dim); it != comms_.end()) return *it->second;
     transport::CommConfig config;
     config.timeout = timeout_;
-    if (dim.empty()) {
+    if (!node_ip_.empty()) config.host = node_ip_;
+    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_, security_);
+    if (auto cross = cross_.find(dim); cross != cross_.end()) {
+      join(dim, cross->second, config);
+    } else if (dim.empty()) {
       config.name = fmt::format("{}/all", group_);
       config.rank = rank_;
       config.size = world_;
@@ -250,7 +299,7 @@ class Worker {
       if (dim != "ep" && !DeviceMesh::is_known_dim(dim)) {
         throw ValueError(fmt::format(
             "no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
-            "is {})",
+            "is {}), nor a communicator across groups that this worker is in",
             dim, mesh_->dimensions_text(true)));
       }
       const auto groups = mesh_->groups(dim);
@@ -262,8 +311,6 @@ class Worker {
         config.size = static_cast<int>(groups[i].size());
       }
     }
-    if (!node_ip_.empty()) config.host = node_ip_;
-    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_, security_);
     std::unique_ptr<transport::Communicator> c;
     if (device_ == "cuda") {
       c = transport::create_nccl_communicator(*kv_, config);
@@ -293,7 +340,11 @@ class Worker {
       f(comm(dim));
       return TWK_OK;
     } catch (const std::exception& e) {
-      const std::string msg = fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
+      const std::string msg =
+          cross_.count(dim) ? fmt::format("{} communicator {} failed on {}:{}: {}",
+                                          std::string_view(op) == "communicator" ? "joining" : op,
+                                          dim, group_, rank_, e.what())
+                            : fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
                                           dim.empty() ? "" : " (dim " + dim + ")", rank_, e.what());
       if (err && err->set_error) err->set_error(err->target, msg.c_str());
       return TWK_ERROR;
@@ -386,6 +437,7 @@ class Worker {
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<transport::KvClient> kv_;
   std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
+  std::map<std::string, Cross> cross_;  // communicators across groups, by name
   transport::SocketSecurity security_;  // remote workers: the run's keys
   std::string node_ip_;                 // remote workers: where peers reach this node
 };

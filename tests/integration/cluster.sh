@@ -129,6 +129,10 @@ case "$CASE" in
     local_loss=$(sed -n 's/^final loss: //p' "$TMP/out")
     python3 -c "import sys; a,b=float('$remote'),float('$local_loss'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
       fail "digits: remote final loss $remote, local $local_loss"
+    # A communicator across groups whose members are on different agents.
+    remote_job cross "$PLUGIN" "$two_groups"
+    run 0 "$TWK" run --set job.driver=cross_group "$TMP/cross.toml" --address "$ADDR"
+    expect_out "b:1 rank 2 of 3: 64 MiB bit-exact"
     # The plugins reached the agents by sha256, and nothing is left behind.
     ls "$TMP"/cache-n*/*.so >/dev/null || fail "no plugin in the agents' caches"
     [ "$(reservations)" = 0 ] || fail "a reservation was not released"

@@ -189,6 +189,32 @@ PY
     expect_err 'TWINKLE_COLLECTIVES must be "auto", "shm" or "gloo", not "mpi"'
     expect_clean
     ;;
+  cross_group)
+    write_job "" ""
+    # A communicator across groups (a:0 and all of b): 64 MiB from a:0 arrive bit for bit, with
+    # both backends; the workers outside it are untouched.
+    for backend in shm gloo; do
+      run 0 "$TWK" run --set job.driver=cross_group --set job.collectives=$backend "$TMP/job.toml"
+      expect_out "a:0 rank 0 of 3: 64 MiB bit-exact"
+      expect_out "b:0 rank 1 of 3: 64 MiB bit-exact"
+      expect_out "b:1 rank 2 of 3: 64 MiB bit-exact"
+      expect_out "a:3 not a member"
+    done
+    # A member that never joins is named, within the communicator's timeout.
+    start=$SECONDS
+    run 1 "$TWK" run --set job.driver=cross_missing "$TMP/job.toml"
+    expect_err "communicator weights: rank 0 (a:0) never joined within 1.5 s"
+    [ $((SECONDS - start)) -lt 20 ] || fail "the missing member took too long to report"
+    # Declarations that cannot work are refused, each with its reason.
+    run 0 "$TWK" run --set job.driver=cross_bad "$TMP/job.toml"
+    expect_out 'communicator "dp": the name of a mesh dimension'
+    expect_out 'communicator "w": the job has no group "nosuch"'
+    expect_out 'communicator "w": group a has workers 0 to 3, not 7'
+    expect_out 'communicator "w": a:0 is listed twice'
+    if grep -q ACCEPTED "$TMP/out"; then fail "a bad communicator was accepted"; fi
+    expect_clean
+    ;;
+
   shm)
     write_job "" ""
     run 0 "$TWK" run --set job.driver=shm "$TMP/job.toml"

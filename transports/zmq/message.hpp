@@ -27,6 +27,7 @@ enum class MsgType : std::uint16_t {
   kv_set = 8,     // worker -> driver: {key, value}   (rendezvous store)
   kv_get = 9,     // worker -> driver, id = request: {key}
   kv_value = 10,  // driver -> worker, id = request: {value}
+  comm_join = 11,  // driver -> worker: {name, rank, size, members, timeout_s}: a cross-group comm
 
   // Cluster messages (remote mode), between the head and its agents, drivers and clients. The
   // head forwards driver -> agent messages by body["node"] and agent -> driver ones by body["run"].

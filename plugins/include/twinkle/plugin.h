@@ -176,6 +176,16 @@ typedef struct twk_host_v1 {
   int32_t (*reduce_scatter)(void* host_ctx, const char* dim, const void* in, void* out,
                             uint64_t count, int32_t dtype, int32_t op, twk_sink_v1* err);
   int32_t (*barrier)(void* host_ctx, const char* dim, twk_sink_v1* err);
+
+  /* Fields below were added after the first release: check `size` before using them. */
+
+  /* Driver: declare the communicator `name` across groups over `members`, a list of
+   * [group, [worker indices...]] pairs in rank order (an empty list: every worker of the group).
+   * Its members reach it as comm(name), with the collectives above. Joining is collective: the
+   * first collective on it waits up to `timeout_s` (0: the job's) for every member, and fails
+   * naming those that never joined. */
+  int32_t (*comm_create)(void* host_ctx, const char* name, const twk_value_v1* members,
+                         double timeout_s, twk_sink_v1* err);
 } twk_host_v1;
 
 typedef int32_t (*twk_construct_fn)(const twk_host_v1* host, const twk_context_v1* ctx,
@@ -256,7 +266,9 @@ static_assert(sizeof(twk_value_v1) == 56, "twk_value_v1 layout changed");
 static_assert(sizeof(twk_sink_v1) == 24, "twk_sink_v1 layout changed");
 static_assert(sizeof(twk_mesh_v1) == 56, "twk_mesh_v1 layout changed");
 static_assert(sizeof(twk_context_v1) == 80, "twk_context_v1 layout changed");
-static_assert(sizeof(twk_host_v1) == 96, "twk_host_v1 layout changed");
+/* twk_host_v1 grows only at its end; users check `size` for the fields after barrier. */
+static_assert(offsetof(twk_host_v1, barrier) == 88, "twk_host_v1 layout changed");
+static_assert(sizeof(twk_host_v1) == 104, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
 static_assert(sizeof(twk_class_v1) == 56, "twk_class_v1 layout changed");
 static_assert(sizeof(twk_plugin_v1) == 88, "twk_plugin_v1 layout changed");

@@ -525,6 +525,13 @@ struct GroupRef {
       : name(n), where(w) {}
 };
 
+// One group's part of a communicator across groups: `ranks` are worker indices in the group
+// (empty: all of its workers).
+struct CommMember {
+  std::string group;
+  std::vector<int> ranks = {};
+};
+
 // What a driver entry gets: create class instances on groups, the job's args, log.
 class Driver {
  public:
@@ -547,6 +554,33 @@ class Driver {
   template <class Cls, class... A>
   Handle create(GroupRef group, A&&... args) const {
     return create(detail::ClassName<Cls>::value, group, std::forward<A>(args)...);
+  }
+
+  // Declares the communicator `name` across groups (e.g. weight sync from the trainer's rank 0 to
+  // every sampler worker): its members, in rank order, reach it in their methods as
+  // ctx.comm(name). The backend fits the devices (shared memory or Gloo for cpu, NCCL for cuda).
+  // The first collective on it waits up to `timeout_s` (0: the job's timeout_s) for every member
+  // and fails naming those that never joined.
+  void communicator(std::string_view name, const std::vector<CommMember>& members,
+                    double timeout_s = 0,
+                    std::source_location where = std::source_location::current()) const {
+    if (host_->size < offsetof(twk_host_v1, comm_create) + sizeof(void*) || !host_->comm_create) {
+      throw RemoteError(detail::caller_prefix(where) +
+                        "this twinkle is older than the SDK: it has no communicators across "
+                        "groups");
+    }
+    Value list = Value::list();
+    for (const auto& m : members) {
+      Value ranks = Value::list();
+      for (int r : m.ranks) ranks.push_back(r);
+      list.push_back(Value::list({Value(m.group), ranks}));
+    }
+    EncodedValue e = encode(list);
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    const std::string n(name);
+    if (host_->comm_create(ctx_->host_ctx, n.c_str(), e.view(), timeout_s, &sink) != TWK_OK)
+      throw RemoteError(detail::caller_prefix(where) + t.error);
   }
 
   std::string_view job() const { return ctx_->job ? ctx_->job : ""; }
