@@ -1,3 +1,4 @@
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <string>
@@ -80,9 +81,13 @@ int run_topology(const TopologyOptions& o) {
     }
     return 0;
   };
-  if (job.launcher == "slurm") return print(slurm_plan(job));
   const std::string address =
       job.mode == core::Mode::remote ? o.cluster.resolve(job.address) : std::string();
+  // Inside an allocation a remote job without a cluster address is placed on the allocated nodes.
+  const char* slurm_job = std::getenv("SLURM_JOB_ID");
+  if (job.launcher == "slurm" ||
+      (job.mode == core::Mode::remote && address.empty() && slurm_job && *slurm_job))
+    return print(slurm_plan(job));
   if (!address.empty()) {
     // Remote mode with a cluster: where the head would put every rank now (nothing reserved).
     return print(core::cluster::connect_site(address, o.cluster.keys)->plan(job));

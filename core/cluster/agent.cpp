@@ -391,6 +391,9 @@ Agent::~Agent() {
       if (j->spawner) j->spawner->signal_all(SIGTERM);
     }
   }
+  // Said at once, so that drivers do not wait for the heartbeats to stop.
+  s.link->post(Message{MsgType::node_leave, 0,
+                       Value::map({{"node", s.o.node_id}, {"reason", "its agent was stopped"}})});
   s.link->stop(std::chrono::milliseconds(500));
   std::lock_guard lock(s.mu);
   for (auto& [run, j] : s.jobs) {

@@ -360,6 +360,11 @@ struct Head::State {
         }
         break;
       }
+      case MsgType::node_leave: {
+        Node* n = node_by_identity(from);
+        if (n && n->alive) declare_dead(*n, m.body["reason"].as<std::string>());
+        break;
+      }
       case MsgType::nodes_query:
         send(from, Message{MsgType::nodes_info, m.id, nodes_info()});
         break;
@@ -402,25 +407,28 @@ struct Head::State {
     }
   }
 
+  // `n` is gone: its part of every run is released and each run's driver is told.
+  void declare_dead(Node& n, const std::string& reason) {
+    n.alive = false;
+    log(fmt::format("node {} (host {}, address {}) is DEAD: {}", n.id, n.host, n.address, reason));
+    for (auto& [rid, r] : runs) {
+      auto b = std::find_if(r.bundles.begin(), r.bundles.end(),
+                            [&](const Bundle& x) { return x.node == n.id; });
+      if (b == r.bundles.end()) continue;
+      r.bundles.erase(b);
+      send(
+          r.driver,
+          Message{
+              MsgType::node_dead, 0,
+              Value::map(
+                  {{"node", n.id}, {"host", n.host}, {"address", n.address}, {"reason", reason}})});
+    }
+  }
+
   void tick() {
     for (auto& [id, n] : nodes) {
       if (!n.alive || Clock::now() - n.last_seen < kSilenceLimit) continue;
-      n.alive = false;
-      const std::string reason =
-          fmt::format("no heartbeat for {:.1f} s", seconds_since(n.last_seen));
-      log(fmt::format("node {} (host {}, address {}) is DEAD: {}", id, n.host, n.address, reason));
-      for (auto& [rid, r] : runs) {
-        auto b = std::find_if(r.bundles.begin(), r.bundles.end(),
-                              [&](const Bundle& x) { return x.node == id; });
-        if (b == r.bundles.end()) continue;
-        r.bundles.erase(b);
-        send(
-            r.driver,
-            Message{
-                MsgType::node_dead, 0,
-                Value::map(
-                    {{"node", id}, {"host", n.host}, {"address", n.address}, {"reason", reason}})});
-      }
+      declare_dead(n, fmt::format("no heartbeat for {:.1f} s", seconds_since(n.last_seen)));
     }
     for (auto r = runs.begin(); r != runs.end();) {
       if (Clock::now() - r->second.last_lease < kSilenceLimit) {

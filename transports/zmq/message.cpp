@@ -64,6 +64,7 @@ const char* to_string(MsgType t) {
     case MsgType::output: return "output";
     case MsgType::node_dead: return "node_dead";
     case MsgType::kill_job: return "kill_job";
+    case MsgType::node_leave: return "node_leave";
   }
   return "unknown";
 }

@@ -51,6 +51,7 @@ enum class MsgType : std::uint16_t {
   output = 37,         // agent -> driver: {run, name, stream, line}
   node_dead = 38,      // head -> driver: {node, host, reason}
   kill_job = 39,       // head -> agent: {run}: its driver's lease expired
+  node_leave = 40,     // agent -> head: {node, reason}: it is stopping (SIGTERM, node stop)
 };
 
 const char* to_string(MsgType t);
