@@ -202,6 +202,20 @@ case "$CASE" in
     run 0 slurm_on salloc "${ALLOC[@]}" "$TWK" run --launcher slurm "$TMP/job/digits.toml"
     same_loss "$(sed -n 's/^final loss: //p' "$TMP/out")" "$(cat "$TMP/local-digits")" "digits through salloc"
     expect_no_twinkle 10
+    # A job that cannot fit names the Slurm fact and what to ask for, before starting anything;
+    # topology inside the allocation places on the allocated nodes.
+    sed -e 's/^device *=.*//' -e 's/^\(ranks *=.*\)/\1\ndevice = "cuda"/' "$TMP/job/hello.toml" >"$TMP/job/hello-gpu.toml"
+    run 2 slurm_on salloc "${ALLOC[@]}" "$TWK" run --launcher slurm "$TMP/job/hello-gpu.toml"
+    expect_err "the Slurm allocation (job"
+    expect_err "--gpus-per-node"
+    run 0 slurm_on salloc "${ALLOC[@]}" "$TWK" topology --launcher slurm --json "$TMP/job/hello.toml"
+    python3 - "$TMP/out" "${SLURM_NODE_NAMES[@]}" <<'PY' || { cat "$TMP/out"; fail "topology --launcher slurm"; }
+import json, sys
+d = json.load(open(sys.argv[1]))
+used = {w["host"].split()[0] for g in d["groups"] for w in g["workers"]}
+assert used == set(sys.argv[2:]), (used, sys.argv[2:])
+PY
+    expect_no_twinkle 10
     # twinkle nodes inside an allocation: the allocated nodes and their CPUs.
     run 0 slurm_on salloc "${ALLOC[@]}" "$TWK" nodes
     for n in "${SLURM_NODE_NAMES[@]}"; do expect_out "$n"; done
