@@ -61,47 +61,6 @@ struct Child {
   }
 };
 
-// One way: `bytes` in one message to a DEALER process over TCP on loopback, which acknowledges;
-// GB/s, best of 3.
-double zmq_tcp_bandwidth(std::size_t bytes) {
-  zmq::context_t ctx;
-  zmq::socket_t router(ctx, zmq::socket_type::router);
-  router.bind("tcp://127.0.0.1:*");
-  const std::string endpoint = router.get(zmq::sockopt::last_endpoint);
-  pid_t child = fork();
-  if (child == 0) {
-    zmq::context_t cctx;
-    zmq::socket_t dealer(cctx, zmq::socket_type::dealer);
-    dealer.connect(endpoint);
-    dealer.send(zmq::str_buffer("hello"));
-    for (;;) {
-      zmq::message_t m;
-      if (!dealer.recv(m)) continue;
-      if (m.size() == 4) break;
-      dealer.send(zmq::str_buffer("ack"));
-    }
-    _exit(0);
-  }
-  zmq::message_t id, hello;
-  (void)router.recv(id);
-  (void)router.recv(hello);
-  std::vector<char> data(bytes, 1);
-  double best = 1e300;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = Clock::now();
-    router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-    router.send(zmq::buffer(data.data(), data.size()), zmq::send_flags::none);
-    zmq::message_t rid, ack;
-    (void)router.recv(rid);
-    (void)router.recv(ack);
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-  router.send(zmq::str_buffer("stop"), zmq::send_flags::none);
-  waitpid(child, nullptr, 0);
-  return static_cast<double>(bytes) / best / 1e9;
-}
-
 double cpu_seconds(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/stat", pid));
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -26,47 +26,87 @@ inline double percentile(std::vector<double> v, double p) {
   return v[static_cast<std::size_t>(p * static_cast<double>(v.size() - 1))];
 }
 
-// Round trips of a 1-frame message between a ROUTER here and a DEALER echo process, over ipc
-// (or TCP on loopback with `tcp`).
-inline std::pair<double, double> zmq_rtt(int n, bool tcp = false) {
-  const std::string path = fmt::format("/tmp/twinkle-bench-{}.ipc", getpid());
-  zmq::context_t ctx;
-  zmq::socket_t router(ctx, zmq::socket_type::router);
-  router.bind(tcp ? std::string("tcp://127.0.0.1:*") : "ipc://" + path);
-  const std::string endpoint = router.get(zmq::sockopt::last_endpoint);
-  pid_t child = fork();
-  if (child == 0) {
-    zmq::context_t cctx;
-    zmq::socket_t dealer(cctx, zmq::socket_type::dealer);
-    dealer.connect(endpoint);
-    dealer.send(zmq::str_buffer("hello"));
-    for (;;) {
-      zmq::message_t m;
-      if (!dealer.recv(m)) continue;
-      if (m.size() == 4 && std::memcmp(m.data(), "stop", 4) == 0) break;
-      dealer.send(m, zmq::send_flags::none);
+// A DEALER process connected to a ROUTER of this process: it answers every message (with the
+// message itself, or with "ack" when `ack_only`) until it gets "stop".
+class EchoPeer {
+ public:
+  EchoPeer(bool tcp, bool ack_only) : router_(ctx_, zmq::socket_type::router) {
+    path_ = fmt::format("/tmp/twinkle-bench-{}.ipc", getpid());
+    router_.bind(tcp ? std::string("tcp://127.0.0.1:*") : "ipc://" + path_);
+    if (tcp) path_.clear();
+    const std::string endpoint = router_.get(zmq::sockopt::last_endpoint);
+    child_ = fork();
+    if (child_ == 0) {
+      zmq::context_t cctx;
+      zmq::socket_t dealer(cctx, zmq::socket_type::dealer);
+      dealer.connect(endpoint);
+      dealer.send(zmq::str_buffer("hello"));
+      for (;;) {
+        zmq::message_t m;
+        if (!dealer.recv(m)) continue;
+        if (m.size() == 4 && std::memcmp(m.data(), "stop", 4) == 0) break;
+        if (ack_only) {
+          dealer.send(zmq::str_buffer("ack"));
+        } else {
+          dealer.send(m, zmq::send_flags::none);
+        }
+      }
+      _exit(0);
     }
-    _exit(0);
+    zmq::message_t hello;
+    (void)router_.recv(id_);
+    (void)router_.recv(hello);
   }
-  zmq::message_t id, hello;
-  (void)router.recv(id);
-  (void)router.recv(hello);
+  ~EchoPeer() {
+    router_.send(zmq::buffer(id_.to_string()), zmq::send_flags::sndmore);
+    router_.send(zmq::str_buffer("stop"), zmq::send_flags::none);
+    waitpid(child_, nullptr, 0);
+    if (!path_.empty()) std::filesystem::remove(path_);
+  }
+  // Sends `size` bytes at `data` and waits for the answer.
+  void round_trip(const void* data, std::size_t size) {
+    router_.send(zmq::buffer(id_.to_string()), zmq::send_flags::sndmore);
+    router_.send(zmq::const_buffer(data, size), zmq::send_flags::none);
+    zmq::message_t rid, reply;
+    (void)router_.recv(rid);
+    (void)router_.recv(reply);
+  }
+
+ private:
+  zmq::context_t ctx_;
+  zmq::socket_t router_;
+  zmq::message_t id_;
+  std::string path_;
+  pid_t child_ = 0;
+};
+
+// Round trips of a small message to an echo process over ipc (or TCP on loopback with `tcp`):
+// p50 and p99 in microseconds.
+inline std::pair<double, double> zmq_rtt(int n, bool tcp = false) {
+  EchoPeer peer(tcp, false);
   std::vector<double> rtt;
+  const std::string ping = "ping-ping-ping-ping";
   for (int i = 0; i < n + 500; ++i) {
     const auto t0 = Clock::now();
-    router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-    router.send(zmq::str_buffer("ping-ping-ping-ping"), zmq::send_flags::none);
-    zmq::message_t rid, reply;
-    (void)router.recv(rid);
-    (void)router.recv(reply);
+    peer.round_trip(ping.data(), ping.size());
     if (i >= 500)
       rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
-  router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-  router.send(zmq::str_buffer("stop"), zmq::send_flags::none);
-  waitpid(child, nullptr, 0);
-  if (!tcp) std::filesystem::remove(path);
   return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
+}
+
+// One way: `bytes` in one message to a process over TCP on loopback, which acknowledges it;
+// GB/s, best of 3.
+inline double zmq_tcp_bandwidth(std::size_t bytes) {
+  EchoPeer peer(true, true);
+  std::vector<char> data(bytes, 1);
+  double best = 1e300;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    peer.round_trip(data.data(), data.size());
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return static_cast<double>(bytes) / best / 1e9;
 }
 
 inline double memcpy_gbs(std::size_t bytes) {

@@ -5,8 +5,13 @@
 
 _twinkle_flags() {
   case $1 in
-    run) echo "--set --gpus --log-dir --quiet --ascii --address --key --head-key --insecure --help" ;;
-    topology) echo "--gpus --set --json --ascii --address --key --head-key --insecure --help" ;;
+    run)
+      echo "--set --gpus --log-dir --quiet --ascii --address --key --head-key --insecure" \
+        "--launcher --help"
+      ;;
+    topology)
+      echo "--gpus --set --json --ascii --address --key --head-key --insecure --launcher --help"
+      ;;
     nodes) echo "--json --address --key --head-key --insecure --help" ;;
     inspect) echo "--json --help" ;;
     keygen) echo "--out --force --help" ;;

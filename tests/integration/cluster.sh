@@ -21,15 +21,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# wait_for FILE TEXT SECONDS: until FILE has TEXT (a deadline, never a fixed sleep).
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  until grep -qF -- "$2" "$1" 2>/dev/null; do
-    [ $SECONDS -lt $deadline ] || { cat "$1"; fail "no \"$2\" in $1 within $3 s"; }
-    sleep 0.05
-  done
-}
-
 # start_head [FLAGS...]: a head with no agent of its own on an ephemeral loopback port; sets ADDR.
 start_head() {
   "$TWK" node start --head --no-agent --bind 127.0.0.1 --port "${HEAD_PORT:-0}" "$@" >"$TMP/head.log" 2>&1 &

@@ -66,15 +66,6 @@ trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT HUP
 
-# wait_for FILE TEXT SECONDS: until FILE has TEXT (a deadline, never a fixed sleep).
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  until grep -qF -- "$2" "$1" 2>/dev/null; do
-    [ $SECONDS -lt $deadline ] || { cat "$1"; fail "no \"$2\" in $1 within $3 s"; }
-    sleep 0.05
-  done
-}
-
 # running PID: the process exists and is not a zombie (kill -0 succeeds on a zombie).
 running() {
   local state

@@ -17,6 +17,15 @@ run() {
   fi
 }
 
+# wait_for FILE TEXT SECONDS: until FILE has TEXT (a deadline, never a fixed sleep).
+wait_for() {
+  local deadline=$((SECONDS + $3))
+  until grep -qF -- "$2" "$1" 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || { cat "$1"; fail "no \"$2\" in $1 within $3 s"; }
+    sleep 0.05
+  done
+}
+
 expect_out() { grep -qF -- "$1" "$TMP/out" || { cat "$TMP/out"; fail "stdout lacks: $1"; }; }
 expect_err() { grep -qF -- "$1" "$TMP/err" || { cat "$TMP/err"; fail "stderr lacks: $1"; }; }
 

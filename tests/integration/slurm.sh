@@ -39,15 +39,6 @@ if [ -z "${SLURM_NODES:-}" ]; then
 fi
 if [ "$SLURM_NODES" = 2 ]; then SLURM_NODE_CPUS=${SLURM_NODE_CPUS:-4}; else SLURM_NODE_CPUS=${SLURM_NODE_CPUS:-8}; fi
 
-# wait_for FILE TEXT SECONDS: until FILE has TEXT (a deadline, never a fixed sleep).
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  until grep -qF -- "$2" "$1" 2>/dev/null; do
-    [ $SECONDS -lt $deadline ] || { cat "$1" 2>/dev/null; fail "no \"$2\" in $1 within $3 s"; }
-    sleep 0.05
-  done
-}
-
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - $1, 2))"; }
 
