@@ -20,6 +20,7 @@ done
 unshare --net --uts true 2>/dev/null || { echo "SKIP: cannot create network namespaces"; exit 77; }
 
 source "$SRC/tests/integration/lib.sh"
+source "$SRC/tests/integration/netns.sh"
 
 export HOME="$TMP/home"  # what runs in the root namespace (keygen, the local run) keeps out of ~
 mkdir -p "$HOME"
@@ -49,17 +50,17 @@ cleanup() {
   done
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
   pkill -KILL -f -- "$TMP/" 2>/dev/null  # workers run from the agents' caches under $TMP
-  for ns in "${NAMESPACES[@]}"; do
+  for ns in "${NAMESPACES[@]}" "${NETNS_MADE[@]}"; do
     for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
   done
   for n in $(seq 50); do  # until every process of a host is gone (bounded: 5 s)
     left=""
-    for ns in "${NAMESPACES[@]}"; do left+=$(ip netns pids "$ns" 2>/dev/null); done
+    for ns in "${NAMESPACES[@]}" "${NETNS_MADE[@]}"; do left+=$(ip netns pids "$ns" 2>/dev/null); done
     [ -z "$left" ] && break
     sleep 0.1
   done
-  for ns in "${NAMESPACES[@]}"; do ip netns delete "$ns" 2>/dev/null; done
-  for p in "${UTS[@]}"; do umount "$p" 2>/dev/null; done
+  for ns in "${NAMESPACES[@]}" "${NETNS_MADE[@]}"; do ip netns delete "$ns" 2>/dev/null; done
+  for p in "${UTS[@]}" "${NETNS_UTS[@]}"; do umount "$p" 2>/dev/null; done
   rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -96,39 +97,10 @@ spawn() {
 
 # The switch (a bridge in its own namespace) and three hosts, each on one port of it.
 make_hosts() {
-  ip netns add "$NS-sw" || fail "cannot create namespace $NS-sw"
-  NAMESPACES+=("$NS-sw")
-  ip -n "$NS-sw" link add br0 type bridge || fail "cannot create the bridge"
-  ip -n "$NS-sw" link set br0 up
-  mkdir -p "$TMP/uts"
-  local i=0 h
-  for h in "${HOSTS[@]}"; do
-    i=$((i + 1))
-    ip netns add "$NS-$h" || fail "cannot create namespace $NS-$h"
-    NAMESPACES+=("$NS-$h")
-    # One veth pair: port-$h on the switch, eth0 in the host; both names are namespace-local.
-    ip -n "$NS-sw" link add "port-$h" mtu 1500 type veth peer name eth0 mtu 1500 netns "$NS-$h" ||
-      fail "cannot create the veth pair of $h"
-    ip -n "$NS-sw" link set "port-$h" master br0
-    ip -n "$NS-sw" link set "port-$h" up
-    ip -n "$NS-$h" link set lo up
-    ip -n "$NS-$h" addr add "$NET.$i/24" dev eth0
-    ip -n "$NS-$h" link set eth0 up
-    # Its own hostname, in a UTS namespace kept by a bind mount (no process needed).
-    touch "$TMP/uts/$h"
-    UTS+=("$TMP/uts/$h")
-    unshare --uts="$TMP/uts/$h" hostname "twk-$h" || fail "cannot create the UTS namespace of $h"
-    mkdir -p "$TMP/$h/home" "$TMP/$h/tmp" "$TMP/$h/run"
-  done
-  # Every port of the switch forwards (bounded: 5 s); the agents joining shows the rest.
-  local n
-  for h in "${HOSTS[@]}"; do
-    for n in $(seq 50); do
-      ip -n "$NS-sw" -d link show "port-$h" | grep -q "state forwarding" && break
-      [ "$n" -lt 50 ] || fail "the switch's port to $h does not forward"
-      sleep 0.1
-    done
-  done
+  local specs=() h
+  for h in "${HOSTS[@]}"; do specs+=("$h:twk-$h"); done
+  netns_hosts "$NS" "$NET" "$TMP" "${specs[@]}"
+  for h in "${HOSTS[@]}"; do mkdir -p "$TMP/$h/home" "$TMP/$h/tmp" "$TMP/$h/run"; done
   [ "$(on h2 hostname)" = twk-h2 ] || fail "host 2's hostname is $(on h2 hostname)"
 }
 

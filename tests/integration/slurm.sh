@@ -17,6 +17,7 @@ PLUGIN=$(realpath -- "$3")
 EXAMPLES=$(realpath -- "$4")
 CASE=$5
 source "$SRC/tests/integration/lib.sh"
+source "$SRC/tests/integration/netns.sh"
 source "$SRC/tests/integration/slurm_cluster.sh"
 slurm_require
 

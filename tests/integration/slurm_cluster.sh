@@ -1,5 +1,5 @@
-# A Slurm 22.05 cluster owned by one test (Debian's slurm-wlm and munge), on this machine, as
-# /work/shared/CLUSTER-TESTING.md describes. Source it after lib.sh (it uses fail and $TMP); then
+# A Slurm 22.05 cluster owned by one test (Debian's slurm-wlm and munge), on this machine; its
+# nodes are network namespaces (netns.sh). Source it after lib.sh and netns.sh; then
 #
 #   slurm_start   boots the cluster and waits (bounded) until sinfo shows every node idle;
 #   slurm_on CMD  runs CMD on the submit host: where sinfo, srun, salloc, sbatch and scancel reach
@@ -100,36 +100,9 @@ _slurm_chain_exit() {
 }
 
 _slurm_make_hosts() {
-  ip netns add "$SLURM_NS-sw" || fail "cannot create namespace $SLURM_NS-sw"
-  SLURM_NAMESPACES+=("$SLURM_NS-sw")
-  ip -n "$SLURM_NS-sw" link add br0 type bridge || fail "cannot create the bridge"
-  ip -n "$SLURM_NS-sw" link set br0 up
-  mkdir -p "$SLURM_DIR/uts"
-  local i=0 n k
-  for n in "${SLURM_NODE_NAMES[@]}"; do
-    i=$((i + 1))
-    ip netns add "$SLURM_NS-$n" || fail "cannot create namespace $SLURM_NS-$n"
-    SLURM_NAMESPACES+=("$SLURM_NS-$n")
-    ip -n "$SLURM_NS-sw" link add "port$i" mtu 1500 type veth peer name eth0 mtu 1500 \
-      netns "$SLURM_NS-$n" || fail "cannot create the veth pair of $n"
-    ip -n "$SLURM_NS-sw" link set "port$i" master br0
-    ip -n "$SLURM_NS-sw" link set "port$i" up
-    ip -n "$SLURM_NS-$n" link set lo up
-    ip -n "$SLURM_NS-$n" addr add "$SLURM_NET.$i/24" dev eth0
-    ip -n "$SLURM_NS-$n" link set eth0 up
-    # Its hostname is its NodeName, in a UTS namespace kept by a bind mount (no process needed).
-    touch "$SLURM_DIR/uts/$n"
-    SLURM_UTS+=("$SLURM_DIR/uts/$n")
-    unshare --uts="$SLURM_DIR/uts/$n" hostname "$n" || fail "cannot create the UTS namespace of $n"
-  done
-  # Every port of the switch forwards (bounded: 5 s).
-  for i in $(seq ${#SLURM_NODE_NAMES[@]}); do
-    for k in $(seq 50); do
-      ip -n "$SLURM_NS-sw" -d link show "port$i" | grep -q "state forwarding" && break
-      [ "$k" -lt 50 ] || fail "the switch's port to node $i does not forward"
-      sleep 0.1
-    done
-  done
+  local specs=() n
+  for n in "${SLURM_NODE_NAMES[@]}"; do specs+=("$n:$n"); done  # hostname = NodeName
+  netns_hosts "$SLURM_NS" "$SLURM_NET" "$SLURM_DIR" "${specs[@]}"
 }
 
 _slurm_write_conf() {
@@ -285,7 +258,7 @@ _slurm_pids() {
   [ -n "$SLURM_DIR" ] || return 0
   local ns p
   {
-    for ns in "${SLURM_NAMESPACES[@]}"; do ip netns pids "$ns" 2>/dev/null; done
+    for ns in "${SLURM_NAMESPACES[@]}" "${NETNS_MADE[@]}"; do ip netns pids "$ns" 2>/dev/null; done
     printf '%s\n' "${SLURM_DAEMONS[@]}"
     pgrep -f -- "$SLURM_DIR/"
     for p in /proc/[0-9]*; do
@@ -322,8 +295,8 @@ slurm_stop() {
     sleep 0.1
   done
   for p in "${SLURM_DAEMONS[@]}"; do wait "$p" 2>/dev/null; done
-  for p in "${SLURM_NAMESPACES[@]}"; do ip netns delete "$p" 2>/dev/null; done
-  for p in "${SLURM_UTS[@]}"; do umount "$p" 2>/dev/null; done
+  for p in "${SLURM_NAMESPACES[@]}" "${NETNS_MADE[@]}"; do ip netns delete "$p" 2>/dev/null; done
+  for p in "${SLURM_UTS[@]}" "${NETNS_UTS[@]}"; do umount "$p" 2>/dev/null; done
   rm -rf "$SLURM_DIR"
-  SLURM_DIR="" SLURM_DAEMONS=() SLURM_NAMESPACES=() SLURM_UTS=()
+  SLURM_DIR="" SLURM_DAEMONS=() SLURM_NAMESPACES=() SLURM_UTS=() NETNS_MADE=() NETNS_UTS=()
 }
