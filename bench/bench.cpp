@@ -133,6 +133,11 @@ int main(int argc, char** argv) {
         }
       }
     }
+    std::vector<double> sync;
+    for (int rep = 0; rep < 3; ++rep) {
+      sync.push_back(run_twinkle(twinkle, job, "weight_sync", {"args.all_reduce_reps=2"})
+                         .figures["weight_sync_2"]);
+    }
     std::map<std::string, double> ar;
     for (const auto& [k, v] : runs) ar[k] = percentile(v, 0.5);
 
@@ -174,6 +179,8 @@ int main(int argc, char** argv) {
     row("7. broadcast 256 MiB f32 to 8 workers, GB/s", ar["broadcast_8_shm"], "", "Gloo GB/s",
         ar["broadcast_8_gloo"]);
     row("   same, against memcpy", ar["broadcast_8_shm"], "", "memcpy GB/s", mem);
+    row("8. weight sync 256 MiB, trainer:0 -> 2 samplers, GB/s", percentile(sync, 0.5), "",
+        "memcpy GB/s", mem);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "twinkle_bench: %s\n", e.what());

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <span>
+#include <string>
 #include <vector>
 
 using twinkle::Context;
@@ -33,10 +34,11 @@ struct Bench {
     for (int i = 0; i < reps; ++i) comm.all_reduce(std::span<float>(buf));
     return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
   }
-  // Seconds of one broadcast of `mib` from rank 0, the slowest member's time.
-  double broadcast(Context& ctx, int mib, int reps) {
-    std::vector<float> buf(static_cast<std::size_t>(mib) << 18, ctx.rank() == 0 ? 1.0f : 0.0f);
-    auto comm = ctx.comm();
+  // Seconds of one broadcast of `mib` from rank 0 of communicator `name` ("": the group), the
+  // slowest member's time.
+  double broadcast(Context& ctx, const std::string& name, int mib, int reps) {
+    auto comm = ctx.comm(name);
+    std::vector<float> buf(static_cast<std::size_t>(mib) << 18, comm.rank() == 0 ? 1.0f : 0.0f);
     comm.broadcast(std::span<float>(buf));  // warm-up: connect, fault the pages in
     comm.barrier();
     const auto t0 = Clock::now();
@@ -175,9 +177,23 @@ TWINKLE_DRIVER(broadcast, twinkle::Driver& d) {
   const int mib = d.args()["broadcast_mib"].as<int>();
   const int reps = d.args()["all_reduce_reps"].as<int>();
   auto h = d.create<Bench>("eight");
-  const double t = h.call("broadcast", mib, reps).get().as<double>();
+  const double t = h.call("broadcast", "", mib, reps).get().as<double>();
   // Bytes that reach each receiver per second (nccl-tests' algbw and busbw for broadcast).
   figure("broadcast_8", static_cast<double>(mib) * 1048576.0 / t / 1e9, "GB/s");
+}
+
+// Weight sync after a training step: `broadcast_mib` from a trainer's rank 0 (group "one") to
+// both workers of a sampler (group "two") over a communicator across the groups.
+TWINKLE_DRIVER(weight_sync, twinkle::Driver& d) {
+  const int mib = d.args()["broadcast_mib"].as<int>();
+  const int reps = d.args()["all_reduce_reps"].as<int>();
+  auto trainer = d.create<Bench>("one");
+  auto sampler = d.create<Bench>("two");
+  d.communicator("weights", {{"one", {0}}, {"two"}});
+  auto x = trainer.call("broadcast", "weights", mib, reps);
+  auto y = sampler.call("broadcast", "weights", mib, reps);
+  const double t = std::max(x.get().as<double>(), y.get().as<double>());
+  figure("weight_sync_2", static_cast<double>(mib) * 1048576.0 / t / 1e9, "GB/s");
 }
 
 TWINKLE_PLUGIN("twinkle-bench", "1.0.0");
