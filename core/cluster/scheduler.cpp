@@ -113,6 +113,16 @@ std::optional<std::vector<std::vector<Slot>>> schedule(std::vector<NodeCapacity>
                                                        std::string* why) {
   std::vector<std::vector<Slot>> out;
   for (const auto& d : demands) {
+    // What a job file can ask for (twinkle-job(5), LIMITS); a request beyond it is malformed.
+    if (d.workers < 0 || d.workers > kMaxRanks || d.gpus_per_worker < 0 ||
+        d.gpus_per_worker > kMaxGpusPerWorker) {
+      if (why) {
+        *why =
+            fmt::format("group \"{}\": {} workers of {} GPUs each is not a request a job can make",
+                        d.name, d.workers, d.gpus_per_worker);
+      }
+      return std::nullopt;
+    }
     auto slots = place_group(nodes, d, why);
     if (!slots) return std::nullopt;
     out.push_back(std::move(*slots));

@@ -105,3 +105,12 @@ TEST_CASE("CPUs are shared by groups until they run out", "[scheduler]") {
   CHECK(nodes_of((*r)[1]) == std::vector<std::string>{"n3", "n3", "n3", "n3"});
   CHECK_FALSE(schedule(cluster(), {group(8), group(5)}));
 }
+
+TEST_CASE("a malformed request is refused, never scheduled", "[scheduler]") {
+  std::string why;
+  CHECK_FALSE(schedule(cluster(), {group(-1)}, &why));
+  CHECK(why == "group \"g\": -1 workers of 0 GPUs each is not a request a job can make");
+  CHECK_FALSE(schedule(cluster(), {group(1, PlacementStrategy::pack, -2)}, &why));
+  CHECK_FALSE(schedule(cluster(), {group(1 << 20)}, &why));
+  CHECK(schedule(cluster(), {group(0)}));
+}
