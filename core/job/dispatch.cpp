@@ -48,7 +48,8 @@ std::vector<int> executing_workers(Execute e, const DeviceMesh& mesh,
         throw std::invalid_argument(
             fmt::format("execute peer: caller rank {} is outside a group of {}", r, w));
       }
-      if (n < w) return {static_cast<int>(static_cast<std::int64_t>(r) * n / w)};
+      // Fewer targets than callers: they take turns (Twinkle's get_peer_index, DESIGN 10b).
+      if (n < w) return {r % n};
       const auto [begin, end] = balanced_range(n, w, r);
       return range(static_cast<int>(begin), static_cast<int>(end));
     }

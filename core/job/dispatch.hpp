@@ -40,7 +40,7 @@ struct PeerCaller {
 //   peer:  without a caller (the driver), every worker. With a caller of another group of w
 //          workers and this group of n: when n >= w, block caller.rank of n workers cut into w
 //          balanced contiguous blocks (balanced_range); when n < w, the single worker
-//          caller.rank * n / w.
+//          caller.rank mod n (the mapping of Twinkle's Python get_peer_index).
 // A caller with world_size < 1 or a rank outside [0, world_size) is std::invalid_argument.
 std::vector<int> executing_workers(Execute e, const DeviceMesh& mesh,
                                    std::optional<PeerCaller> caller = std::nullopt);

@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <tuple>
+
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -100,17 +103,61 @@ TEST_CASE("execute peer: all from the driver, a balanced block from another grou
   CHECK(executing_workers(Execute::peer, m10, PeerCaller{2, 4}) == V{6, 7});
   CHECK(executing_workers(Execute::peer, m10, PeerCaller{3, 4}) == V{8, 9});
   CHECK(executing_workers(Execute::peer, m8, PeerCaller{5, 8}) == V{5});
-  // n < w: caller rank r of w maps to worker r * n / w.
+  // n < w: caller rank r of w maps to worker r mod n (callers take turns).
   const auto m2 = DeviceMesh::data_parallel(2);
   CHECK(executing_workers(Execute::peer, m2, PeerCaller{0, 4}) == V{0});
-  CHECK(executing_workers(Execute::peer, m2, PeerCaller{1, 4}) == V{0});
-  CHECK(executing_workers(Execute::peer, m2, PeerCaller{2, 4}) == V{1});
+  CHECK(executing_workers(Execute::peer, m2, PeerCaller{1, 4}) == V{1});
+  CHECK(executing_workers(Execute::peer, m2, PeerCaller{2, 4}) == V{0});
   CHECK(executing_workers(Execute::peer, m2, PeerCaller{3, 4}) == V{1});
   const auto m3 = DeviceMesh::data_parallel(3);
-  CHECK(executing_workers(Execute::peer, m3, PeerCaller{4, 5}) == V{2});
-  CHECK(executing_workers(Execute::peer, m3, PeerCaller{2, 5}) == V{1});
+  CHECK(executing_workers(Execute::peer, m3, PeerCaller{4, 5}) == V{1});
+  CHECK(executing_workers(Execute::peer, m3, PeerCaller{2, 5}) == V{2});
   CHECK_THROWS_AS(executing_workers(Execute::peer, m2, PeerCaller{4, 4}), std::invalid_argument);
   CHECK_THROWS_AS(executing_workers(Execute::peer, m2, PeerCaller{0, 0}), std::invalid_argument);
+}
+
+TEST_CASE("execute peer: the blocks of Twinkle's get_peer_index, and what they receive",
+          "[dispatch]") {
+  // (callers m, targets n) -> the target workers of each caller rank.
+  const std::vector<std::tuple<int, int, std::vector<V>>> table = {
+      {1, 4, {{0, 1, 2, 3}}},
+      {2, 4, {{0, 1}, {2, 3}}},
+      {4, 4, {{0}, {1}, {2}, {3}}},
+      {4, 2, {{0}, {1}, {0}, {1}}},
+      {3, 4, {{0, 1}, {2}, {3}}},
+      {4, 3, {{0}, {1}, {2}, {0}}},
+      {3, 8, {{0, 1, 2}, {3, 4, 5}, {6, 7}}},
+      {8, 3, {{0}, {1}, {2}, {0}, {1}, {2}, {0}, {1}}},
+  };
+  std::vector<Value> items;
+  for (int i = 0; i < 12; ++i) items.push_back(i);
+  const Value args = Value::list({Value(items)});
+  for (const auto& [m, n, blocks] : table) {
+    const auto mesh = DeviceMesh::data_parallel(n);
+    for (int r = 0; r < m; ++r) {
+      INFO("callers " << m << ", targets " << n << ", caller rank " << r);
+      const V block = executing_workers(Execute::peer, mesh, PeerCaller{r, m});
+      CHECK(block == blocks[static_cast<std::size_t>(r)]);
+      // all: every worker of the block gets the whole arguments.
+      for (const auto& a : dispatch_args(Dispatch::all, args, mesh, block, "T.f")) CHECK(a == args);
+      // slice and slice_dp (one data rank per worker here): the block's workers share the list
+      // in order, in parts that differ by at most one item.
+      for (Dispatch d : {Dispatch::slice, Dispatch::slice_dp}) {
+        const auto parts = dispatch_args(d, args, mesh, block, "T.f");
+        REQUIRE(parts.size() == block.size());
+        std::vector<int> joined;
+        std::size_t smallest = 12, largest = 0;
+        for (const auto& p : parts) {
+          const auto got = p[0].as<std::vector<int>>();
+          joined.insert(joined.end(), got.begin(), got.end());
+          smallest = std::min(smallest, got.size());
+          largest = std::max(largest, got.size());
+        }
+        CHECK(joined == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
+        CHECK(largest - smallest <= 1);
+      }
+    }
+  }
 }
 
 TEST_CASE("dispatch all gives every worker the same arguments", "[dispatch]") {
