@@ -27,6 +27,7 @@
 #include "core/cluster/head.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/security.hpp"
+#include "core/runtime/spawner.hpp"
 #include "transports/fd.hpp"
 #include "twinkle/errors.hpp"
 
@@ -60,13 +61,6 @@ void log_line(const std::string& who, const std::string& line) {
   std::strftime(stamp, sizeof stamp, "%H:%M:%S", std::localtime(&t));
   std::fprintf(stderr, "%s twinkle %s: %s\n", stamp, who.c_str(), line.c_str());
   std::fflush(stderr);
-}
-
-std::filesystem::path self_exe() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) throw Error("cannot find the twinkle binary (/proc/self/exe) to start workers");
-  return p;
 }
 
 bool is_wildcard(const std::string& host) { return host == "0.0.0.0" || host == "*"; }
@@ -182,7 +176,7 @@ int run_node_start(NodeStartOptions o) {
       ao.node_ip = o.node_ip;
       ao.cache_dir = o.cache_dir.empty() ? core::cluster::twinkle_home() / "plugins"
                                          : std::filesystem::path(o.cache_dir);
-      ao.exe = self_exe();
+      ao.exe = core::twinkle_binary();
       ao.log = [](const std::string& l) { log_line("agent", l); };
       agent = std::make_unique<core::cluster::Agent>(std::move(ao));
     }

@@ -12,6 +12,7 @@
 #include "core/cluster/remote_site.hpp"
 #include "core/cluster/slurm.hpp"
 #include "core/runtime/driver.hpp"
+#include "core/runtime/spawner.hpp"
 #include "core/runtime/worker.hpp"
 
 namespace twinkle::cli {
@@ -40,9 +41,8 @@ int run_run(const RunCliOptions& o) {
   r.ascii = o.ascii;
   r.connect = [cluster = o.cluster](const core::Job& job) -> std::unique_ptr<core::RemoteSite> {
     if (job.launcher == "slurm") {
-      std::error_code ec;
       return core::cluster::start_slurm_site(core::cluster::slurm_allocation(),
-                                             std::filesystem::read_symlink("/proc/self/exe", ec));
+                                             core::twinkle_binary());
     }
     const std::string address = cluster.resolve(job.address);
     if (address.empty()) {

@@ -1,5 +1,7 @@
 #include "core/cluster/security.hpp"
 
+#include "core/cluster/head_link.hpp"
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -26,13 +28,6 @@ std::string pick(const std::string& given, const char* env, const char* default_
   const auto d = twinkle_home() / default_name;
   std::error_code ec;
   return std::filesystem::exists(d, ec) ? d.string() : "";
-}
-
-std::string host_of(const std::string& address) {
-  std::string h = address.starts_with("tcp://") ? address.substr(6) : address;
-  if (h.starts_with("[")) return h.substr(1, h.find(']') - 1);
-  if (auto c = h.rfind(':'); c != std::string::npos) h = h.substr(0, c);
-  return h;
 }
 
 void warn_insecure(const std::string& what) {
@@ -98,7 +93,7 @@ transport::SocketSecurity member_security(const KeyOptions& o, const std::string
   }
   const std::string key = pick(o.key, "TWINKLE_KEY", "twinkle.key");
   if (key.empty()) {
-    if (!transport::is_loopback_host(host_of(address))) {
+    if (!transport::is_loopback_host(endpoint_host(address))) {
       if (!o.insecure) {
         throw ConfigError(fmt::format(
             "{} is not a loopback address and this member has no key, so it would talk in "

@@ -81,13 +81,6 @@ std::vector<int> free_ports(std::size_t n) {
   return ports;
 }
 
-std::filesystem::path self_exe() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) throw Error("cannot find the twinkle binary (/proc/self/exe) to start workers");
-  return p;
-}
-
 const char* signal_name(int sig) {
   switch (sig) {
     case SIGINT: return "SIGINT";
@@ -354,7 +347,7 @@ class JobRun : public DriverOps {
                                                                    identities);
       kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
       LocalLaunchOptions lo;
-      lo.exe = self_exe();
+      lo.exe = twinkle_binary();
       lo.plugin = job_.plugin_path;
       lo.run_dir = run_dir_->path();
       lo.log_dir = options_.log_dir;

@@ -22,6 +22,13 @@
 
 namespace twinkle::core {
 
+std::filesystem::path twinkle_binary() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw Error("cannot find the twinkle binary (/proc/self/exe) to start workers");
+  return p;
+}
+
 std::string ProcessExit::describe() const {
   if (signal) return fmt::format("was killed by signal {} ({})", signal, strsignal(signal));
   return fmt::format("exited with code {}", exit_code);

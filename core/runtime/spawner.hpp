@@ -21,6 +21,10 @@ namespace twinkle::core {
 using transport::Fd;
 using transport::FdPair;
 
+// The running twinkle binary (/proc/self/exe), which workers and node agents run. Throws Error
+// when it cannot be found.
+std::filesystem::path twinkle_binary();
+
 // One process to start.
 struct ProcessSpec {
   std::string name;               // "model:3": the prefix of its output lines and its log file

@@ -17,16 +17,16 @@ namespace twinkle::transport {
 inline constexpr std::uint16_t kProtocolVersion = 3;
 
 enum class MsgType : std::uint16_t {
-  hello = 1,      // worker -> driver: {rank, group, pid, host}
-  welcome = 2,    // driver -> worker: {job, args, mesh, ...}
-  create = 3,     // driver -> worker, id = instance: {class, args}
-  created = 4,    // worker -> driver, id = instance: {ok, error}
-  call = 5,       // driver -> worker, id = call: {instance, method, args}
-  reply = 6,      // worker -> driver, id = call: {ok, value | error}
-  shutdown = 7,   // driver -> worker
-  kv_set = 8,     // worker -> driver: {key, value}   (rendezvous store)
-  kv_get = 9,     // worker -> driver, id = request: {key}
-  kv_value = 10,  // driver -> worker, id = request: {value}
+  hello = 1,       // worker -> driver: {rank, group, pid, host}
+  welcome = 2,     // driver -> worker: {job, args, mesh, ...}
+  create = 3,      // driver -> worker, id = instance: {class, args}
+  created = 4,     // worker -> driver, id = instance: {ok, error}
+  call = 5,        // driver -> worker, id = call: {instance, method, args}
+  reply = 6,       // worker -> driver, id = call: {ok, value | error}
+  shutdown = 7,    // driver -> worker
+  kv_set = 8,      // worker -> driver: {key, value}   (rendezvous store)
+  kv_get = 9,      // worker -> driver, id = request: {key}
+  kv_value = 10,   // driver -> worker, id = request: {value}
   comm_join = 11,  // driver -> worker: {name, rank, size, members, timeout_s}: a cross-group comm
 
   // Cluster messages (remote mode), between the head and its agents, drivers and clients. The
