@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   try {
     // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
     // times, alternating, and the medians are compared.
-    std::vector<double> zp50, zp99, tp50, tp99;
+    std::vector<double> zp50, zp99, tp50, tp99, pp50, pp99;
     std::map<std::string, double> c;
     for (int rep = 0; rep < 3; ++rep) {
       const auto [p50, p99] = zmq_rtt(calls);
@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
       tp50.push_back(f["call_rtt_p50"]);
       tp99.push_back(f["call_rtt_p99"]);
       if (rep == 0) c = f;
+      auto p =
+          run_twinkle(twinkle, job, "peer_calls", {fmt::format("args.calls={}", calls)}).figures;
+      pp50.push_back(p["peer_rtt_p50"]);
+      pp99.push_back(p["peer_rtt_p99"]);
     }
     const double zmq_p50 = percentile(zp50, 0.5), zmq_p99 = percentile(zp99, 0.5);
     c["call_rtt_p50"] = percentile(tp50, 0.5);
@@ -181,6 +185,10 @@ int main(int argc, char** argv) {
     row("   same, against memcpy", ar["broadcast_8_shm"], "", "memcpy GB/s", mem);
     row("8. weight sync 256 MiB, trainer:0 -> 2 samplers, GB/s", percentile(sync, 0.5), "",
         "memcpy GB/s", mem);
+    row("9. worker -> peer worker round trip p50 (us)*", percentile(pp50, 0.5), "", "zmq rtt p50",
+        zmq_p50);
+    row("   worker -> peer worker round trip p99 (us)*", percentile(pp99, 0.5), "", "zmq rtt p99",
+        zmq_p99);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "twinkle_bench: %s\n", e.what());

@@ -46,6 +46,20 @@ struct Bench {
     comm.barrier();
     return std::chrono::duration<double>(Clock::now() - t0).count() / reps;
   }
+  // Round trips from this worker to another group's worker (`target`, a handle the driver
+  // passed): p50 and p99 in microseconds, after 200 warm-up calls.
+  Value peer_rtt(Context& ctx, const Value& target, int n) {
+    auto h = ctx.handle(target);
+    for (int i = 0; i < 200; ++i) h.call("noop").get();
+    std::vector<double> rtt;
+    for (int i = 0; i < n; ++i) {
+      const auto t0 = Clock::now();
+      h.call("noop").get();
+      rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    std::sort(rtt.begin(), rtt.end());
+    return Value::map({{"p50", rtt[rtt.size() / 2]}, {"p99", rtt[rtt.size() * 99 / 100]}});
+  }
   // One 1-float all_reduce: connects the group's collective on first use.
   double reduce_one(Context& ctx) {
     float x = 1.0f;
@@ -60,6 +74,8 @@ TWINKLE_METHOD(Bench, take, twinkle::dispatch::slice_dp, twinkle::collect::sum);
 TWINKLE_METHOD(Bench, all_reduce, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, broadcast, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, reduce_one, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Bench, peer_rtt, twinkle::dispatch::all, twinkle::collect::first,
+               twinkle::execute::first);
 
 namespace {
 
@@ -194,6 +210,16 @@ TWINKLE_DRIVER(weight_sync, twinkle::Driver& d) {
   auto y = sampler.call("broadcast", "weights", mib, reps);
   const double t = std::max(x.get().as<double>(), y.get().as<double>());
   figure("weight_sync_2", static_cast<double>(mib) * 1048576.0 / t / 1e9, "GB/s");
+}
+
+// Calls between groups: worker two:0 calls the worker of group "one" directly, worker to worker.
+TWINKLE_DRIVER(peer_calls, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto target = d.create<Bench>("one");
+  auto caller = d.create<Bench>("two");
+  const Value r = caller.call("peer_rtt", target, n).get();
+  figure("peer_rtt_p50", r["p50"].as<double>(), "us");
+  figure("peer_rtt_p99", r["p99"].as<double>(), "us");
 }
 
 TWINKLE_PLUGIN("twinkle-bench", "1.0.0");

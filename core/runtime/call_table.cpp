@@ -6,8 +6,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "core/job/dispatch.hpp"
-
 namespace twinkle::core {
 
 namespace {
@@ -25,12 +23,14 @@ Clock::time_point deadline_after(double seconds) {
 }  // namespace
 
 CallTable::CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
-                     std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s)
+                     std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s,
+                     std::uint64_t id_base)
     : channel_(channel),
       groups_(std::move(groups)),
       workers_(std::move(workers)),
       custom_(std::move(custom)),
-      timeout_s_(timeout_s) {
+      timeout_s_(timeout_s),
+      next_id_(id_base) {
   for (const auto& g : groups_) mesh_abi_.push_back(std::make_unique<MeshAbi>(g.mesh));
 }
 
@@ -65,9 +65,51 @@ void CallTable::on_lost(std::size_t peer, const std::string& reason) {
     if (pos >= static_cast<long>(c.workers.size())) continue;
     if (c.results[static_cast<std::size_t>(pos)] || c.errors.count(static_cast<std::size_t>(pos)))
       continue;
-    l.calls.push_back(fmt::format("{} (driver caller: {})", c.what, c.caller));
+    l.calls.push_back(fmt::format("{} ({}: {})", c.what, caller_label_, c.caller));
   }
   lost_ = std::move(l);
+  if (on_first_loss_) on_first_loss_(peer, lost_->text);
+}
+
+bool CallTable::waiting_on(std::size_t peer) const { return !call_waiting_on(peer).empty(); }
+
+std::vector<std::size_t> CallTable::waiting_peers() const {
+  std::vector<std::size_t> out;
+  auto it = calls_.find(in_wait_);
+  if (it == calls_.end()) return out;
+  const Call& c = it->second;
+  for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
+    if (c.results[pos] || c.errors.count(pos)) continue;
+    out.push_back(groups_[c.group].peers[static_cast<std::size_t>(c.workers[pos])]);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void CallTable::fail_waiting(std::size_t peer, const std::string& error) {
+  if (peer >= workers_.size()) return;
+  const WorkerInfo& w = workers_[peer];
+  for (auto& [id, c] : calls_) {
+    if (c.released || c.group != w.group) continue;
+    const auto pos = static_cast<std::size_t>(
+        std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
+    if (pos >= c.workers.size() || c.results[pos] || c.errors.count(pos)) continue;
+    c.errors[pos] = error;
+    ++c.answered;
+  }
+}
+
+std::string CallTable::call_waiting_on(std::size_t peer) const {
+  if (peer >= workers_.size()) return {};
+  const WorkerInfo& w = workers_[peer];
+  for (const auto& [id, c] : calls_) {
+    if (c.released || c.group != w.group) continue;
+    const auto pos = static_cast<std::size_t>(
+        std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
+    if (pos < c.workers.size() && !c.results[pos] && !c.errors.count(pos))
+      return fmt::format("{} (caller: {})", c.what, c.caller);
+  }
+  return {};
 }
 
 void CallTable::on_event(ChannelEvent& e) {
@@ -80,6 +122,7 @@ void CallTable::on_event(ChannelEvent& e) {
       if (!m.body.is_map() || !m.body.contains("pid") || !m.body.contains("host")) return;
       w.pid = m.body["pid"].as<int>();
       w.host = m.body["host"].as<std::string>();
+      if (m.body.contains("serve")) w.serve = m.body["serve"].as<std::string>();
       w.ready = true;
       break;
     }
@@ -170,7 +213,8 @@ void CallTable::start(std::chrono::milliseconds timeout,
     channel_.send(i, Message{MsgType::welcome, 0, welcome(workers_[i])});
 }
 
-std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, const Value& args) {
+std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, const Value& args,
+                                std::optional<PeerCaller> peer, const Value& extra) {
   const GroupInfo& g = groups_.at(gi);
   const std::string what = fmt::format("{} constructor on group {}", cls.name, g.name);
   check_failed(what);
@@ -178,16 +222,26 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, c
   Instance& inst = instances_[id];
   inst.cls = &cls;
   inst.group = gi;
-  for (std::size_t peer : g.peers)
-    channel_.send(peer,
-                  Message{MsgType::create, id, Value::map({{"class", cls.name}, {"args", args}})});
+  try {
+    inst.workers = executing_workers(cls.execute == Execute::peer ? Execute::peer : Execute::all,
+                                     g.mesh, peer);
+  } catch (const std::invalid_argument& e) {
+    instances_.erase(id);
+    throw CallError(fmt::format("{}: {}", what, e.what()));
+  }
+  inst.whole = inst.workers.size() == g.peers.size();
+  Value body = extra.is_map() ? extra : Value::map();
+  body["class"] = cls.name;
+  body["args"] = args;
+  for (int w : inst.workers)
+    channel_.send(g.peers[static_cast<std::size_t>(w)], Message{MsgType::create, id, body});
   const auto deadline = deadline_after(timeout_s_);
-  while (inst.acks.size() < g.peers.size()) {
+  while (inst.acks.size() < inst.workers.size()) {
     check_failed(what);
     if (Clock::now() > deadline) {
       std::vector<std::string> missing;
-      for (std::size_t i = 0; i < g.peers.size(); ++i) {
-        if (!inst.acks.count(static_cast<int>(i))) missing.push_back(std::to_string(i));
+      for (int i : inst.workers) {
+        if (!inst.acks.count(i)) missing.push_back(std::to_string(i));
       }
       throw CallError(
           fmt::format("{} timed out after {:g} s: ranks [{}] did not answer; raise "
@@ -206,8 +260,24 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, c
   return id;
 }
 
+void CallTable::attach(std::uint64_t instance, const plugins::ClassInfo& cls, std::size_t gi) {
+  if (auto it = instances_.find(instance); it != instances_.end()) {
+    if (it->second.cls != &cls || it->second.group != gi)
+      throw CallError(fmt::format("handle {} is an instance of {} on group {}, not of {} on {}",
+                                  instance, it->second.cls->name, groups_[it->second.group].name,
+                                  cls.name, groups_.at(gi).name));
+    return;
+  }
+  Instance& inst = instances_[instance];
+  inst.cls = &cls;
+  inst.group = gi;
+  for (std::size_t i = 0; i < groups_.at(gi).peers.size(); ++i)
+    inst.workers.push_back(static_cast<int>(i));
+}
+
 std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_name,
-                              const Value& args, const std::string& caller) {
+                              const Value& args, const std::string& caller,
+                              std::optional<PeerCaller> peer, const Value& extra) {
   auto inst = instances_.find(instance);
   if (inst == instances_.end()) throw CallError("unknown instance handle");
   const plugins::ClassInfo& cls = *inst->second.cls;
@@ -229,7 +299,16 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   c.caller = caller;
   c.group = gi;
   c.method = m;
-  c.workers = executing_workers(m->execute, g.mesh);
+  try {
+    c.workers = executing_workers(m->execute, g.mesh, peer);
+  } catch (const std::invalid_argument& e) {
+    throw CallError(fmt::format("{}: {}", what, e.what()));
+  }
+  if (!inst->second.whole && (m->execute != Execute::peer || !peer)) {
+    // An instance on a peer block: `all` (and peer from the driver) means its workers.
+    c.workers = m->execute == Execute::first ? std::vector<int>{inst->second.workers.front()}
+                                             : inst->second.workers;
+  }
   std::vector<Value> per_worker;
   if (m->execute == Execute::first) {
     per_worker.assign(c.workers.size(), args);
@@ -257,11 +336,13 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   c.deadline = deadline_after(c.timeout_s);
   const std::uint64_t id = ++next_id_;
   for (std::size_t i = 0; i < c.workers.size(); ++i) {
+    Value body = extra.is_map() ? extra : Value::map();
+    body["instance"] = instance;
+    body["method"] = m->name;
+    body["caller"] = caller;
+    body["args"] = std::move(per_worker[i]);
     channel_.send(g.peers[static_cast<std::size_t>(c.workers[i])],
-                  Message{MsgType::call, id,
-                          Value::map({{"instance", instance},
-                                      {"method", m->name},
-                                      {"args", std::move(per_worker[i])}})});
+                  Message{MsgType::call, id, std::move(body)});
   }
   calls_.emplace(id, std::move(c));
   return id;
@@ -272,6 +353,10 @@ Value CallTable::wait(std::uint64_t future) {
   if (it == calls_.end()) throw CallError("unknown or already collected call");
   // The SDK puts "[twinkle driver caller: FILE:LINE]" in front (detail::caller_prefix).
   const std::string prefix = it->second.what;
+  struct InWait {
+    std::uint64_t& slot;
+    ~InWait() { slot = 0; }
+  } in_wait{in_wait_ = future};
   while (it->second.answered < it->second.workers.size()) {
     Call& c = it->second;
     const auto cancelled = this->cancelled();

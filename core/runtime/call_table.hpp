@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/job/dispatch.hpp"
 #include "core/job/mesh.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
@@ -33,6 +34,7 @@ struct WorkerInfo {
   int index = 0;  // in its group
   int pid = 0;    // from its hello
   std::string host;
+  std::string serve;  // where it serves calls from other workers (its hello)
   bool ready = false;
 };
 
@@ -56,25 +58,36 @@ struct LostWorker {
   std::vector<std::string> calls;  // its outstanding calls: "Model.step (driver caller: t.cpp:9)"
 };
 
-// The driver's instances and outstanding calls over a worker channel (DESIGN.md sections 5, 7):
-// it dispatches arguments, sends, collects results, and fails what a lost or late worker cannot
-// answer. A lost worker is an event from the channel; from then on every wait fails with it.
-// Used from one thread; blocking calls pump the channel while they wait.
+// The instances and outstanding calls of a caller over a worker channel (DESIGN.md sections 5, 7,
+// 10b): it dispatches arguments, sends, collects results, and fails what a lost or late worker
+// cannot answer. A lost worker is an event from the channel; from then on every wait fails with
+// it. The driver has one over its control channel; every worker has one over its connections to
+// the other workers (calls between groups), with ids from `id_base` so that instances made by
+// different callers never share an id. Used from one thread; blocking calls pump the channel
+// while they wait.
 class CallTable {
  public:
   CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
-            std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s);
+            std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s,
+            std::uint64_t id_base = 0);
 
   // Waits for every worker's hello, up to `timeout`, then sends each its welcome(worker).
   // Throws CallError naming the workers that were lost or never said hello.
   void start(std::chrono::milliseconds timeout,
              const std::function<Value(const WorkerInfo&)>& welcome);
 
-  // Constructs `cls` on every worker of `group` and waits for all. Returns the instance handle.
-  std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const Value& args);
-  // Dispatches and sends a call; returns its future at once. `caller` is "file.cpp:42".
+  // Constructs `cls` on every worker of `group` (a class with execute = peer and a `peer`
+  // caller: on its peer block only) and waits for all. Returns the instance handle. `extra`
+  // (a map) goes into the message as it is.
+  std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const Value& args,
+                       std::optional<PeerCaller> peer = std::nullopt, const Value& extra = {});
+  // Makes an instance that another caller made on every worker of `group` callable here.
+  void attach(std::uint64_t instance, const plugins::ClassInfo& cls, std::size_t group);
+  // Dispatches and sends a call; returns its future at once. `caller` is "file.cpp:42"; `peer`
+  // is the calling worker for execute = peer (none: the driver, every worker).
   std::uint64_t call(std::uint64_t instance, std::string_view method, const Value& args,
-                     const std::string& caller);
+                     const std::string& caller, std::optional<PeerCaller> peer = std::nullopt,
+                     const Value& extra = {});
   // Waits for a call and collects its results.
   Value wait(std::uint64_t future);
   // The driver no longer wants the result; late answers are dropped.
@@ -90,6 +103,22 @@ class CallTable {
   void cancel(std::string reason);
   // Lost workers are no longer failures (orderly shutdown).
   void expect_exits() { expecting_exits_ = true; }
+  // Called once with the first lost worker (peer, text): the driver tells the other workers.
+  void on_first_loss(std::function<void(std::size_t, const std::string&)> f) {
+    on_first_loss_ = std::move(f);
+  }
+  // How calls name their call site in lost_().calls: "driver caller" (the default) or
+  // "worker caller".
+  void set_caller_label(std::string label) { caller_label_ = std::move(label); }
+  // Whether a call still waits for an answer from `peer` (a worker's calls: cycle checks).
+  bool waiting_on(std::size_t peer) const;
+  // The call still waiting for `peer`, "Class.method (caller: file:line)"; empty if none.
+  std::string call_waiting_on(std::size_t peer) const;
+  // The peers that the call in wait() (if any) still waits for, ascending.
+  std::vector<std::size_t> waiting_peers() const;
+  // Every call still waiting for `peer` gets `error` as that worker's answer (a cycle of calls
+  // that would never end).
+  void fail_waiting(std::size_t peer, const std::string& error);
 
   const std::optional<LostWorker>& lost() const { return lost_; }
   const std::vector<WorkerInfo>& workers() const { return workers_; }
@@ -104,6 +133,8 @@ class CallTable {
   struct Instance {
     const plugins::ClassInfo* cls = nullptr;
     std::size_t group = 0;
+    std::vector<int> workers;                        // where it lives (worker indices)
+    bool whole = true;                               // on every worker of the group
     std::map<int, std::optional<std::string>> acks;  // worker index -> error (nullopt: ok)
   };
   struct Call {
@@ -135,7 +166,10 @@ class CallTable {
   std::map<std::uint64_t, Instance> instances_;
   std::map<std::uint64_t, Call> calls_;
   std::uint64_t next_id_ = 0;
+  std::uint64_t in_wait_ = 0;  // the call that wait() waits for (0: none)
   std::optional<LostWorker> lost_;
+  std::function<void(std::size_t, const std::string&)> on_first_loss_;
+  std::string caller_label_ = "driver caller";
   std::optional<std::string> cancelled() const;
 
   mutable std::mutex cancel_mu_;

@@ -283,6 +283,16 @@ class JobRun : public DriverOps {
   }
   void release(std::uint64_t future) noexcept override { table_->release(future); }
 
+  void attach(std::string_view cls_name, std::string_view group, std::uint64_t instance) override {
+    const plugins::ClassInfo* cls = plugin_->find_class(cls_name);
+    const auto gi = table_->find_group(group);
+    if (!cls || !gi) {
+      throw CallError(
+          fmt::format("handle: no class {} on a group {} in this job", cls_name, group));
+    }
+    table_->attach(instance, *cls, *gi);
+  }
+
  private:
   // ----- start-up ---------------------------------------------------------------------------
 
@@ -362,6 +372,19 @@ class JobRun : public DriverOps {
                            [this](std::string_view n) { return plugin_->find_collector(n); }};
     table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
                                          std::move(custom), job_.timeout_s);
+    // The other workers learn of a lost one at once: their calls to it fail instead of waiting.
+    table_->on_first_loss([this](std::size_t lost, const std::string& text) {
+      for (std::size_t i = 0; i < table_->workers().size(); ++i) {
+        if (i == lost) continue;
+        try {
+          channel_->send(
+              i, Message{MsgType::peer_lost, 0,
+                         Value::map({{"peer", static_cast<std::int64_t>(lost)}, {"text", text}})});
+        } catch (const TransportError&) {
+          // Gone too: the launcher reports it.
+        }
+      }
+    });
 
     const RunInfo run{run_id_, job_.mode, job_.seed};
     for (std::size_t gi = 0; gi < placement_.groups.size(); ++gi) {
@@ -385,9 +408,36 @@ class JobRun : public DriverOps {
     return true;
   }
 
-  Value welcome(const WorkerInfo& w) const {
+  // What every worker needs for its calls to other groups: the groups (meshes, workers) and the
+  // workers (names, where they serve).
+  Value peers_book() const {
+    Value groups = Value::list(), workers = Value::list();
+    for (const auto& g : table_->groups()) {
+      Value peers = Value::list();
+      for (std::size_t p : g.peers) peers.push_back(static_cast<std::int64_t>(p));
+      groups.push_back(
+          Value::map({{"name", g.name}, {"mesh", mesh_to_value(g.mesh)}, {"peers", peers}}));
+    }
+    for (const auto& w : table_->workers()) {
+      workers.push_back(Value::map({{"name", w.name},
+                                    {"group", static_cast<std::int64_t>(w.group)},
+                                    {"index", w.index},
+                                    {"pid", w.pid},
+                                    {"host", w.host},
+                                    {"serve", w.serve}}));
+    }
+    return Value::map({{"groups", groups}, {"workers", workers}});
+  }
+
+  Value welcome(const WorkerInfo& w) {
+    if (!book_) book_ = peers_book();
     const GroupSpec& g = job_.groups.at(w.group);
+    std::size_t self = 0;
+    while (table_->workers()[self].name != w.name) ++self;
     return Value::map({{"job", job_.name},
+                       {"groups", (*book_)["groups"]},
+                       {"workers", (*book_)["workers"]},
+                       {"self", static_cast<std::int64_t>(self)},
                        {"args", job_.args},
                        {"mesh", mesh_to_value(g.mesh)},
                        {"device", std::string(to_string(g.device))},
@@ -503,6 +553,7 @@ class JobRun : public DriverOps {
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
   std::set<std::string> comms_;  // communicators across groups, by name
+  std::optional<Value> book_;    // the workers' address book (welcome)
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
   std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;

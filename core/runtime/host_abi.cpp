@@ -95,6 +95,10 @@ twk_host_v1 driver_host_table() {
       ops(c).comm_create(name ? name : "", members ? decode(*members) : Value::list(), timeout_s);
     });
   };
+  h.attach = [](void* c, const char* cls, const char* group, std::uint64_t instance,
+                twk_sink_v1* err) {
+    return guarded(err, [&] { ops(c).attach(cls ? cls : "", group ? group : "", instance); });
+  };
   return h;
 }
 

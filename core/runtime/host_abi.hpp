@@ -57,9 +57,12 @@ class DriverOps {
   virtual Value wait(std::uint64_t future) = 0;
   virtual void release(std::uint64_t future) noexcept = 0;
   virtual void comm_create(std::string_view name, const Value& members, double timeout_s) = 0;
+  // Makes an instance made elsewhere (a handle passed as an argument) callable from here.
+  virtual void attach(std::string_view cls, std::string_view group, std::uint64_t instance) = 0;
 };
 
-// The host table for driver entries; its host context must be a DriverOps*.
+// The host table for driver entries (and the calls of worker methods); its host context must be a
+// DriverOps*.
 twk_host_v1 driver_host_table();
 
 }  // namespace twinkle::core

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 
@@ -18,6 +20,7 @@
 #include <zmq.hpp>
 
 #include "core/job/values.hpp"
+#include "core/runtime/call_table.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
 #include "transports/gloo/communicator.hpp"
@@ -25,6 +28,7 @@
 #include "transports/shm/communicator.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
+#include "transports/zmq/peers.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core {
@@ -34,10 +38,18 @@ namespace {
 using transport::Message;
 using transport::MsgType;
 
+// How often a worker waiting for another group looks for a cycle of calls (probes).
+constexpr auto kProbeInterval = std::chrono::milliseconds(300);
+
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
-char g_run_files[3][kPathMax];  // the control socket, the rendezvous socket, the owner file
+// the control socket, the rendezvous socket, the owner file, this worker's serve socket
+char g_run_files[4][kPathMax];
 char g_run_dir[kPathMax];
+// The other local workers' serve sockets (set once at the welcome, never freed): the first
+// worker to notice the driver's death kills the rest before they could remove their own.
+const char* const* g_peer_sockets = nullptr;
+std::size_t g_peer_socket_count = 0;
 
 extern "C" void on_driver_death(int) {
   // Only async-signal-safe calls. The worker asks for SIGHUP when its parent dies, and the
@@ -46,6 +58,7 @@ extern "C" void on_driver_death(int) {
   for (const char* f : g_run_files) {
     if (f[0]) unlink(f);
   }
+  for (std::size_t i = 0; i < g_peer_socket_count; ++i) unlink(g_peer_sockets[i]);
   if (g_run_dir[0]) rmdir(g_run_dir);
   // Whatever the workers started dies with them: the whole worker process group.
   kill(0, SIGKILL);
@@ -99,7 +112,10 @@ Shared share(Value v) {
   return out;
 }
 
-class Worker {
+// A worker: runs the calls of its driver and, for calls between groups (DESIGN.md 10b), those of
+// other workers, one at a time; and calls other groups itself through a call table of its own
+// (the DriverOps that the plugin's Context::create/handle and Handle::call reach).
+class Worker : public DriverOps {
  public:
   Worker(const WorkerOptions& o, plugins::Plugin plugin) : options_(o), plugin_(std::move(plugin)) {
     name_ = env_str("TWINKLE_WORKER_NAME");
@@ -132,60 +148,58 @@ class Worker {
       link_ =
           transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
     }
-    host_.size = sizeof host_;
-    host_.abi_version = TWK_ABI_VERSION;
+    // create/call/wait/release/attach as in a driver entry (DriverOps); the collectives below.
+    host_ = driver_host_table();
     host_.log = &log_line;
     host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size,
                          twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "communicator",
-                                                 [&](transport::Communicator& c) {
-                                                   *rank = c.rank();
-                                                   *size = c.size();
-                                                 });
+      return self(w)->collective(dim, err, "communicator", [&](transport::Communicator& c) {
+        *rank = c.rank();
+        *size = c.size();
+      });
     };
     host_.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count,
                           std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(
-          dim, err, "all_reduce", [&](transport::Communicator& c) {
-            c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
-          });
+      return self(w)->collective(dim, err, "all_reduce", [&](transport::Communicator& c) {
+        c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
+      });
     };
     host_.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count,
                          std::int32_t dtype, std::int32_t root, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(
-          dim, err, "broadcast", [&](transport::Communicator& c) {
-            c.broadcast(data, count, checked_dtype(dtype), root);
-          });
+      return self(w)->collective(dim, err, "broadcast", [&](transport::Communicator& c) {
+        c.broadcast(data, count, checked_dtype(dtype), root);
+      });
     };
     host_.all_gather = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
                           std::int32_t dtype, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(
-          dim, err, "all_gather",
-          [&](transport::Communicator& c) { c.all_gather(in, out, count, checked_dtype(dtype)); });
+      return self(w)->collective(dim, err, "all_gather", [&](transport::Communicator& c) {
+        c.all_gather(in, out, count, checked_dtype(dtype));
+      });
     };
     host_.reduce_scatter = [](void* w, const char* dim, const void* in, void* out,
                               std::uint64_t count, std::int32_t dtype, std::int32_t op,
                               twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(
-          dim, err, "reduce_scatter", [&](transport::Communicator& c) {
-            c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
-          });
+      return self(w)->collective(dim, err, "reduce_scatter", [&](transport::Communicator& c) {
+        c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
+      });
     };
     host_.barrier = [](void* w, const char* dim, twk_sink_v1* err) {
-      return static_cast<Worker*>(w)->collective(dim, err, "barrier",
-                                                 [&](transport::Communicator& c) { c.barrier(); });
+      return self(w)->collective(dim, err, "barrier",
+                                 [&](transport::Communicator& c) { c.barrier(); });
     };
   }
 
   bool run() {
     char host[256] = {};
     gethostname(host, sizeof host - 1);
+    serve_ = std::make_unique<transport::ServeSocket>(zmq_, serve_endpoint(), security_);
     send(MsgType::hello, 0,
          Value::map({{"name", name_},
                      {"group", group_},
                      {"rank", rank_},
                      {"pid", static_cast<int>(getpid())},
-                     {"host", std::string(host)}}));
+                     {"host", std::string(host)},
+                     {"serve", serve_->endpoint()}}));
     auto welcome = link_->recv(std::chrono::seconds(60));
     if (!welcome || welcome->type != MsgType::welcome) {
       std::fprintf(stderr, "twinkle worker %s: no welcome from the driver at %s\n", name_.c_str(),
@@ -201,32 +215,59 @@ class Worker {
     collectives_ = welcome->body["collectives"].as<std::string>();
     timeout_ = std::chrono::milliseconds(
         static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
+    peers_from(welcome->body);
 
+    // One call at a time, in arrival order, from the driver or from other workers. While a call
+    // waits for another group, PeerChannel::next runs the same handlers: they queue what must
+    // wait and answer at once what would otherwise never finish (a cycle of calls).
+    zmq::pollitem_t items[2] = {{link_->socket().handle(), 0, ZMQ_POLLIN, 0},
+                                {serve_->socket().handle(), 0, ZMQ_POLLIN, 0}};
     for (;;) {
-      auto m = link_->recv(std::chrono::milliseconds(-1));
-      if (!m) continue;
-      switch (m->type) {
-        case MsgType::create: create(*m); break;
-        case MsgType::call: call(*m); break;
-        case MsgType::comm_join: {
-          Cross c;
-          c.rank = m->body["rank"].as<int>();
-          c.members = m->body["members"].as<std::vector<std::string>>();
-          c.timeout = std::chrono::milliseconds(
-              static_cast<std::int64_t>(m->body["timeout_s"].as<double>() * 1000));
-          cross_[m->body["name"].as<std::string>()] = std::move(c);
-          break;
-        }
-        case MsgType::shutdown:
-          for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
-          instances_.clear();
-          comms_.clear();
-          return true;
-        default:
-          std::fprintf(stderr, "twinkle worker %s: unexpected %s message ignored\n", name_.c_str(),
-                       transport::to_string(m->type));
+      if (!queue_.empty()) {
+        Pending p = std::move(queue_.front());
+        queue_.pop_front();
+        if (!run_one(p)) return true;
+        continue;
       }
+      zmq::poll(items, 2, std::chrono::milliseconds(-1));
+      if (items[0].revents & ZMQ_POLLIN) on_link_ready();
+      if (items[1].revents & ZMQ_POLLIN) on_serve_ready();
     }
+  }
+
+  // ----- DriverOps: this worker's calls to other groups -------------------------------------
+
+  void log(std::int32_t level, std::string_view message) override {
+    log_line(nullptr, level, std::string(message).c_str());
+  }
+
+  std::uint64_t create(std::string_view cls_name, std::string_view group,
+                       const twk_value_v1& args) override {
+    const plugins::ClassInfo& cls = known_class(cls_name, "create");
+    const std::size_t gi = known_group(group, "create " + std::string(cls_name));
+    return table_->create(cls, gi, decode(args), PeerCaller{rank_, world_},
+                          Value::map({{"chain", chain_}, {"caller", ""}}));
+  }
+
+  std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
+                     const std::string& caller) override {
+    return table_->call(instance, method, peers_->adopt(args), caller, PeerCaller{rank_, world_},
+                        Value::map({{"chain", chain_}}));
+  }
+
+  Value wait(std::uint64_t future) override { return table_->wait(future); }
+  void release(std::uint64_t future) noexcept override { table_->release(future); }
+
+  void comm_create(std::string_view name, const Value&, double) override {
+    throw CallError(
+        fmt::format("communicator \"{}\": communicators across groups are declared by the driver "
+                    "(twinkle::Driver::communicator), before the methods that use them",
+                    name));
+  }
+
+  void attach(std::string_view cls_name, std::string_view group, std::uint64_t instance) override {
+    const plugins::ClassInfo& cls = known_class(cls_name, "handle");
+    table_->attach(instance, cls, known_group(group, "handle of " + std::string(cls_name)));
   }
 
  private:
@@ -240,6 +281,328 @@ class Worker {
     std::vector<std::string> members;  // "group:index" by rank
     std::chrono::milliseconds timeout{0};
   };
+
+  // Something to run: a message from the driver (`from` empty) or a request from another worker.
+  struct Pending {
+    std::string from;
+    Message message;
+  };
+
+  static Worker* self(void* host_ctx) {
+    return static_cast<Worker*>(static_cast<DriverOps*>(host_ctx));
+  }
+
+  // Local workers serve on a Unix socket in the run folder; remote ones on TCP at their node's
+  // address, with the run's keys when the cluster uses keys.
+  std::string serve_endpoint() {
+    if (options_.endpoint.starts_with("tcp://"))
+      return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
+    if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
+    const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
+    std::snprintf(g_run_files[3], sizeof g_run_files[3], "%s", path.c_str());
+    return "ipc://" + path;
+  }
+
+  // The run's groups and workers (the welcome), for this worker's calls to other groups.
+  void peers_from(const Value& welcome) {
+    std::vector<GroupInfo> groups;
+    for (const auto& g : welcome["groups"]) {
+      GroupInfo info;
+      info.name = g["name"].as<std::string>();
+      info.mesh = mesh_from_value(g["mesh"]);
+      for (const auto& p : g["peers"]) info.peers.push_back(p.as<std::size_t>());
+      groups.push_back(std::move(info));
+    }
+    std::vector<WorkerInfo> workers;
+    std::vector<std::string> names, endpoints;
+    for (const auto& w : welcome["workers"]) {
+      WorkerInfo info;
+      info.name = w["name"].as<std::string>();
+      info.group = w["group"].as<std::size_t>();
+      info.index = w["index"].as<int>();
+      info.pid = w["pid"].as<int>();
+      info.host = w["host"].as<std::string>();
+      info.serve = w["serve"].as<std::string>();
+      info.ready = true;
+      names.push_back(info.name);
+      endpoints.push_back(info.serve);
+      workers.push_back(std::move(info));
+    }
+    self_ = welcome["self"].as<std::size_t>();
+    remember_peer_sockets(endpoints);
+    transport::SocketSecurity client;
+    if (security_.keys) {
+      client.keys = security_.keys;
+      client.server_key = security_.keys->public_key;  // every worker of the run has this pair
+    }
+    peers_ = std::make_unique<transport::PeerChannel>(zmq_, name_, std::move(names),
+                                                      std::move(endpoints), client);
+    peers_->watch(link_->socket(), [this] { on_link_ready(); });
+    peers_->watch(serve_->socket(), [this] { on_serve_ready(); });
+    peers_->every(kProbeInterval, [this] { send_probes(); });
+    CustomFunctions custom{[this](std::string_view n) { return plugin_.find_dispatcher(n); },
+                           [this](std::string_view n) { return plugin_.find_collector(n); }};
+    const double timeout_s = std::chrono::duration<double>(timeout_).count();
+    table_ = std::make_unique<CallTable>(*peers_, std::move(groups), std::move(workers),
+                                         std::move(custom), timeout_s,
+                                         static_cast<std::uint64_t>(self_ + 1) << 40);
+    table_->set_caller_label("worker caller");
+  }
+
+  // For the parent-death handler: the local workers' socket files in this run's folder.
+  void remember_peer_sockets(const std::vector<std::string>& endpoints) {
+    if (options_.run_dir.empty() || g_peer_sockets) return;
+    const std::string prefix = "ipc://" + options_.run_dir.string() + "/";
+    auto* paths = new std::vector<std::string>;  // lives as long as the process
+    for (const auto& e : endpoints) {
+      if (e.starts_with(prefix)) paths->push_back(e.substr(6));
+    }
+    auto* list = new const char*[paths->size() + 1];
+    for (std::size_t i = 0; i < paths->size(); ++i) list[i] = (*paths)[i].c_str();
+    g_peer_sockets = list;  // before the count: the handler reads only what the count covers
+    g_peer_socket_count = paths->size();
+  }
+
+  const plugins::ClassInfo& known_class(std::string_view name, const std::string& what) const {
+    if (const plugins::ClassInfo* cls = plugin_.find_class(name)) return *cls;
+    std::vector<std::string> names;
+    for (const auto& c : plugin_.classes()) names.push_back(c.name);
+    throw CallError(fmt::format("{}: the plugin has no class {} (it has: {})", what, name,
+                                fmt::join(names, ", ")));
+  }
+
+  std::size_t known_group(std::string_view name, const std::string& what) const {
+    if (auto gi = table_->find_group(name)) return *gi;
+    std::vector<std::string> names;
+    for (const auto& g : table_->groups()) names.push_back(g.name);
+    throw CallError(fmt::format("{}: the job has no group \"{}\" (it has: {})", what, name,
+                                fmt::join(names, ", ")));
+  }
+
+  // Messages from the driver: a lost worker and a communicator's membership take effect at
+  // once (a call in progress may need them); the rest waits its turn.
+  void on_link_ready() {
+    for (;;) {
+      std::optional<Message> m;
+      try {
+        m = link_->recv(std::chrono::milliseconds(0));
+      } catch (const TransportError& e) {
+        std::fprintf(stderr, "twinkle worker %s: dropped a message from the driver: %s\n",
+                     name_.c_str(), e.what());
+        continue;
+      }
+      if (!m) return;
+      if (m->type == MsgType::peer_lost) {
+        if (peers_)
+          peers_->lost(m->body["peer"].as<std::size_t>(), m->body["text"].as<std::string>());
+      } else if (m->type == MsgType::comm_join) {
+        Cross c;
+        c.rank = m->body["rank"].as<int>();
+        c.members = m->body["members"].as<std::vector<std::string>>();
+        c.timeout = std::chrono::milliseconds(
+            static_cast<std::int64_t>(m->body["timeout_s"].as<double>() * 1000));
+        cross_[m->body["name"].as<std::string>()] = std::move(c);
+      } else {
+        queue_.push_back(Pending{"", std::move(*m)});
+      }
+    }
+  }
+
+  // Requests from other workers. While this worker is in a call, one that this call (directly
+  // or through others) waits for is a cycle: answered at once with an error naming it.
+  void on_serve_ready() {
+    while (auto r = serve_->recv(std::chrono::milliseconds(0))) {
+      Message& m = r->message;
+      if (m.type == MsgType::probe) {
+        on_probe(m.body);
+        continue;
+      }
+      if (m.type != MsgType::create && m.type != MsgType::call) {
+        std::fprintf(stderr, "twinkle worker %s: unexpected %s message from worker %s ignored\n",
+                     name_.c_str(), transport::to_string(m.type), r->from.c_str());
+        continue;
+      }
+      if (busy_) {
+        if (auto cycle = find_cycle(*r)) {
+          const MsgType answer = m.type == MsgType::create ? MsgType::created : MsgType::reply;
+          serve_->reply(r->from,
+                        Message{answer, m.id, Value::map({{"ok", false}, {"error", *cycle}})});
+          continue;
+        }
+      }
+      queue_.push_back(Pending{std::move(r->from), std::move(m)});
+    }
+  }
+
+  std::optional<std::size_t> peer_index(const std::string& name) const {
+    for (std::size_t i = 0; i < table_->workers().size(); ++i) {
+      if (table_->workers()[i].name == name) return i;
+    }
+    return std::nullopt;
+  }
+
+  std::string current_frame() const {
+    return chain_.size() > 0 ? frame_text(chain_[chain_.size() - 1]) : name_;
+  }
+
+  // Cycles through several workers (each waits on the next, the last on the first) are found by
+  // probes (edge chasing): a worker that waits sends one along each call it waits for; a worker
+  // that gets one while it waits itself passes it on along its own; a probe that comes back to
+  // the worker that sent it, while it still waits in the same call, is a cycle.
+  void send_probes() {
+    if (!busy_) return;
+    const auto waits = table_->waiting_peers();
+    if (waits.empty()) return;
+    forward(Value::map({{"origin", name_},
+                        {"token", token_},
+                        {"nodes", Value::list({Value(name_)})},
+                        {"path", Value::list({Value(current_frame())})}}),
+            waits);
+  }
+
+  void forward(const Value& probe, const std::vector<std::size_t>& to) {
+    for (std::size_t p : to) {
+      try {
+        peers_->send(p, Message{MsgType::probe, 0, probe});
+      } catch (const TransportError&) {
+        // That worker is gone: the driver tells everyone.
+      }
+    }
+  }
+
+  void on_probe(Value& probe) {
+    if (!busy_ || !probe.is_map() || !probe["nodes"].is_list() || !probe["path"].is_list()) return;
+    const std::string origin = text_of(probe, "origin");
+    if (origin == name_) {
+      if (probe["token"].as<std::uint64_t>() != token_ || probe["nodes"].size() < 2) return;
+      const auto first = peer_index(probe["nodes"][1].as<std::string>());
+      if (!first) return;
+      std::vector<std::string> path;
+      for (const auto& p : probe["path"]) path.push_back(p.as<std::string>());
+      table_->fail_waiting(
+          *first,
+          fmt::format("deadlock: a cycle of calls that wait on each other: {} -> {}; a worker "
+                      "runs one call at a time, so none of them could finish. Return what the "
+                      "caller needs instead of calling back",
+                      fmt::join(path, " -> "), name_));
+      peers_->wake();  // the waiting call sees its error now
+      return;
+    }
+    for (const auto& n : probe["nodes"]) {
+      if (n.as<std::string>() == name_) return;  // a cycle that the others report
+    }
+    const auto waits = table_->waiting_peers();
+    if (waits.empty()) return;
+    probe["nodes"].push_back(name_);
+    probe["path"].push_back(current_frame());
+    forward(probe, waits);
+  }
+
+  // "Trainer.step" for a request (the class from this worker's instances when it has it).
+  std::string request_what(const Message& m) const {
+    if (m.type == MsgType::create) return m.body["class"].as<std::string>() + " constructor";
+    std::string cls = "?";
+    if (auto it = instances_.find(m.body["instance"].as<std::uint64_t>()); it != instances_.end())
+      cls = it->second.cls->name;
+    return cls + "." + m.body["method"].as<std::string>();
+  }
+
+  static std::string text_of(const Value& v, std::string_view key) {
+    return v.is_map() && v.contains(key) && v[key].is_string() ? v[key].as<std::string>() : "";
+  }
+
+  // "trainer:0 Trainer.step (called at train.cpp:12)"
+  static std::string frame_text(const Value& f) {
+    const std::string caller = text_of(f, "caller");
+    return fmt::format("{} {}{}", text_of(f, "worker"), text_of(f, "what"),
+                       caller.empty() ? "" : " (called at " + caller + ")");
+  }
+
+  // The cycle that running request `r` after the current call would close, as an error; nullopt
+  // when there is none (the request waits its turn).
+  std::optional<std::string> find_cycle(const transport::ServeSocket::Request& r) const {
+    const Message& m = r.message;
+    const std::string caller = text_of(m.body, "caller");
+    const std::string asked = fmt::format("{} {}{}", name_, request_what(m),
+                                          caller.empty() ? "" : " (called at " + caller + ")");
+    static const Value none = Value::list();
+    const Value& chain =
+        m.body.contains("chain") && m.body["chain"].is_list() ? m.body["chain"] : none;
+    const std::string now = current_frame();
+    std::vector<std::string> path;
+    bool through_me = false;
+    for (const auto& f : chain) {
+      if (!through_me && text_of(f, "worker") == name_ && f.contains("token") &&
+          f["token"].as<std::uint64_t>() == token_)
+        through_me = true;
+      if (through_me) path.push_back(frame_text(f));
+    }
+    if (!through_me) {
+      // Not nested in this worker's call, but from a worker that this call waits for.
+      std::optional<std::size_t> from;
+      for (std::size_t i = 0; i < table_->workers().size(); ++i) {
+        if (table_->workers()[i].name == r.from) from = i;
+      }
+      if (!from || !table_->waiting_on(*from)) return std::nullopt;
+      path = {now, chain.size() > 0 ? frame_text(chain[chain.size() - 1]) : r.from};
+    }
+    path.push_back(asked);
+    return fmt::format(
+        "deadlock: a cycle of calls: {}; {} runs one call at a time and is still in {}, so this "
+        "call could never start. Return what the caller needs instead of calling back",
+        fmt::join(path, " -> "), name_, now);
+  }
+
+  // Runs one queued message; false after a shutdown.
+  bool run_one(Pending& p) {
+    const std::string from = p.from;
+    auto reply = [this, from](Message m) {
+      if (from.empty()) {
+        link_->send(m);
+      } else {
+        serve_->reply(from, m);
+      }
+    };
+    Message& m = p.message;
+    switch (m.type) {
+      case MsgType::create: execute(m, from, [&] { create(m, reply); }); break;
+      case MsgType::call: execute(m, from, [&] { call(m, reply, from.empty()); }); break;
+      case MsgType::shutdown:
+        for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
+        instances_.clear();
+        comms_.clear();
+        return false;
+      default:
+        std::fprintf(stderr, "twinkle worker %s: unexpected %s message ignored\n", name_.c_str(),
+                     transport::to_string(m.type));
+    }
+    return true;
+  }
+
+  // Runs `f` as this worker's current call: its frame ends the chain that its calls to other
+  // groups carry, so that a call back into it is recognised as a cycle.
+  template <class F>
+  void execute(const Message& m, const std::string& from, F&& f) {
+    Value chain =
+        m.body.contains("chain") && m.body["chain"].is_list() ? m.body["chain"] : Value::list();
+    if (from.empty()) {
+      chain = Value::list({Value::map({{"worker", std::string("driver")},
+                                       {"token", 0},
+                                       {"what", std::string("entry")},
+                                       {"caller", text_of(m.body, "caller")}})});
+    }
+    token_ = ++tokens_;
+    chain.push_back(
+        Value::map({{"worker", name_},
+                    {"token", token_},
+                    {"what", request_what(m)},
+                    {"caller", from.empty() ? std::string() : text_of(m.body, "caller")}}));
+    chain_ = std::move(chain);
+    busy_ = true;
+    f();
+    busy_ = false;
+    chain_ = Value::list();
+  }
 
   static DType checked_dtype(std::int32_t d) {
     if (!dtype_known(d)) throw ValueError("unknown dtype " + std::to_string(d));
@@ -363,7 +726,7 @@ class Worker {
     c.device = device_.c_str();
     c.mesh = mesh_abi_->view();
     c.args = const_cast<EncodedValue&>(args_).view();
-    c.host_ctx = const_cast<Worker*>(this);
+    c.host_ctx = static_cast<DriverOps*>(const_cast<Worker*>(this));
     return c;
   }
 
@@ -371,7 +734,12 @@ class Worker {
     link_->send(Message{t, id, std::move(body)});
   }
 
-  void create(const Message& m) {
+  using Reply = std::function<void(Message)>;
+
+  void create(const Message& m, const Reply& reply) {
+    auto send = [&](MsgType t, std::uint64_t id, Value body) {
+      reply(Message{t, id, std::move(body)});
+    };
     const std::string cls_name = m.body["class"].as<std::string>();
     const plugins::ClassInfo* cls = plugin_.find_class(cls_name);
     if (!cls) {
@@ -393,7 +761,10 @@ class Worker {
     send(MsgType::created, m.id, Value::map({{"ok", true}}));
   }
 
-  void call(Message& m) {
+  void call(Message& m, const Reply& reply, bool from_driver) {
+    auto send = [&](MsgType t, std::uint64_t id, Value body) {
+      reply(Message{t, id, std::move(body)});
+    };
     auto reply_error = [&](const std::string& e) {
       send(MsgType::reply, m.id, Value::map({{"ok", false}, {"error", e}}));
     };
@@ -410,7 +781,9 @@ class Worker {
     m.body.map_items().erase("args");
     twk_context_v1 ctx = context();
     SinkCapture out;
-    out.adopt = [this](const twk_value_v1& v) { return link_->adopt(v); };
+    out.adopt = [this, from_driver](const twk_value_v1& v) {
+      return from_driver ? link_->adopt(v) : decode(v);
+    };
     twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);
     // Shared-memory arguments the plugin did not keep are released now, so that the reply can
@@ -440,6 +813,15 @@ class Worker {
   std::map<std::string, Cross> cross_;  // communicators across groups, by name
   transport::SocketSecurity security_;  // remote workers: the run's keys
   std::string node_ip_;                 // remote workers: where peers reach this node
+  // Calls between groups.
+  std::unique_ptr<transport::ServeSocket> serve_;  // calls from other workers
+  std::unique_ptr<transport::PeerChannel> peers_;  // this worker's connections to the others
+  std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
+  std::size_t self_ = 0;                           // this worker's index in the run
+  std::deque<Pending> queue_;                      // what waits its turn
+  bool busy_ = false;                              // in a call (or a constructor)
+  std::uint64_t tokens_ = 0, token_ = 0;           // the current call's number
+  Value chain_ = Value::list();                    // the current call's chain of frames
 };
 
 }  // namespace

@@ -120,6 +120,15 @@ case "$CASE" in
     local_loss=$(sed -n 's/^final loss: //p' "$TMP/out")
     python3 -c "import sys; a,b=float('$remote'),float('$local_loss'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
       fail "digits: remote final loss $remote, local $local_loss"
+    # rl: groups that call each other across agents learn exactly as in local mode.
+    example_job rl
+    run 0 "$TWK" run "$TMP/rl.toml" --address "$ADDR"
+    grep -E '^(step|mean|weights)' "$TMP/out" >"$TMP/remote-rl"
+    sed -e 's/^mode = "remote"/mode = "local"/' "$TMP/rl.toml" >"$TMP/rl-local.toml"
+    run 0 "$TWK" run "$TMP/rl-local.toml"
+    grep -E '^(step|mean|weights)' "$TMP/out" >"$TMP/local-rl"
+    [ "$(wc -l <"$TMP/local-rl")" -eq 32 ] || { cat "$TMP/local-rl"; fail "rl: not 32 result lines"; }
+    diff "$TMP/local-rl" "$TMP/remote-rl" || fail "remote rl differs from local rl"
     # A communicator across groups whose members are on different agents.
     remote_job cross "$PLUGIN" "$two_groups"
     run 0 "$TWK" run --set job.driver=cross_group "$TMP/cross.toml" --address "$ADDR"
@@ -314,6 +323,10 @@ ranks = 1'
     # A member with a key runs a job over CURVE end to end (driver, workers and store).
     remote_job sec "$PLUGIN" "$two_groups"
     run 0 "$TWK" run --set job.driver=collectives "$TMP/sec.toml" --address "$ADDR" "${member[@]}"
+    # Calls between groups go worker to worker over CURVE too (the run's worker keys).
+    run 0 "$TWK" run --set job.driver=peer_map "$TMP/sec.toml" --address "$ADDR" "${member[@]}"
+    expect_out "a:3 -> b:1[300,301,302,303,304,305,306,307,308,309,310,311]"
+    expect_out "made on b:[1]"
     run 0 "$TWK" nodes --address "$ADDR" "${member[@]}" --json
     python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert [n["id"] for n in d["nodes"]]==["n1"]' "$TMP/out" ||
       fail "the refused agent must not be a node"

@@ -42,6 +42,23 @@ case $4 in
     grep -qE '^overlap: sequential [0-9.]+ s, pipelined [0-9.]+ s, saved -?[0-9.]+%$' "$TMP/out" ||
       { cat "$TMP/out"; fail "no overlap summary line"; }
     ;;
+  rl)
+    # Three groups that call each other: the policy learns (the mean reward of the last 5 steps
+    # reaches the job's threshold, from about 0.25 for the untrained policy) and the sampler's
+    # weights are bit-identical to the trainer's after every step (the run fails otherwise).
+    run 0 "$TWK" run --quiet "$EX/rl/job.toml"
+    [ "$(grep -c '^step ' "$TMP/out")" -eq 30 ] || { cat "$TMP/out"; fail "not 30 steps"; }
+    expect_out "weights in sync after every step: yes"
+    python3 - "$TMP/out" <<'PY' || fail "the rl example did not learn"
+import re, sys
+out = open(sys.argv[1]).read()
+first = float(re.search(r"^step  1  reward ([0-9.]+)", out, re.M).group(1))
+mean, threshold = map(float, re.search(
+    r"^mean reward of the last 5 steps: ([0-9.]+) \(threshold ([0-9.]+)\)$", out, re.M).groups())
+print(f"first step {first}, last 5 steps {mean}, threshold {threshold}")
+sys.exit(0 if first < 0.5 and threshold >= 0.9 and mean >= threshold else 1)
+PY
+    ;;
   *) fail "unknown case $4" ;;
 esac
 [ -z "$(ls -A "$TMPDIR")" ] || fail "a run directory was left behind"

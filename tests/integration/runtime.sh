@@ -215,6 +215,95 @@ PY
     expect_clean
     ;;
 
+  peers)
+    # Calls between groups (DESIGN.md 10b): worker r of "a" (m workers) reaches its balanced
+    # block of "b" (n >= m) or worker r mod n (n < m), worker to worker, and `slice` splits the
+    # caller's 12 items across that block.
+    write_peer_job() {
+      cat >"$TMP/peers.toml" <<TOML
+[job]
+name = "peers"
+plugin = "$PLUGIN"
+timeout_s = 20
+driver = "peer_map"
+[[group]]
+name = "a"
+ranks = $1
+[[group]]
+name = "b"
+ranks = $2
+[[group]]
+name = "c"
+ranks = 1
+TOML
+    }
+    for mn in "1 4" "2 4" "4 4" "3 4" "4 3" "4 2" "3 8" "8 3"; do
+      read -r m n <<<"$mn"
+      write_peer_job "$m" "$n"
+      run 0 "$TWK" run --quiet "$TMP/peers.toml"
+      python3 - "$m" "$n" "$TMP/out" <<'PY' || fail "the peer blocks for m=$m n=$n"
+import sys
+m, n = int(sys.argv[1]), int(sys.argv[2])
+lines = open(sys.argv[3]).read().splitlines()
+def balanced(length, parts, i):
+    base, extra = divmod(length, parts)
+    b = i * base + min(i, extra)
+    return b, b + base + (1 if i < extra else 0)
+want, made = [], []
+for r in range(m):
+    block = [r % n] if n < m else list(range(*balanced(n, m, r)))
+    items = [100 * r + i for i in range(12)]
+    parts = []
+    for j, w in enumerate(block):
+        b, e = balanced(12, len(block), j)
+        parts.append(f"b:{w}[{','.join(map(str, items[b:e]))}]")
+    want.append(f"a:{r} -> " + " ".join(parts))
+    made.append(f"made on b:[{','.join(map(str, block))}]")
+got = [l for l in lines if l.startswith("a:")]
+got_made = [l for l in lines if l.startswith("made on")]
+if got != want or got_made != made:
+    print("want:", *want, *made, "got:", *got, *got_made, sep="\n")
+    sys.exit(1)
+PY
+    done
+    # Failures name both call sites: the driver's and the worker's.
+    site() { grep -n "$1" "$SRC/tests/fixtures/runtime_plugin.cpp" | head -1 | cut -d: -f1; }
+    drv=$(site PEER-DRIVER-SITE)
+    wrk=$(site PEER-WORKER-SITE)
+    write_peer_job 2 4
+    run 1 "$TWK" run --quiet --set job.driver=peer_fail --set args.which=boom "$TMP/peers.toml"
+    expect_err "[twinkle driver caller: runtime_plugin.cpp:$drv] Caller.fail failed on group a rank 0"
+    expect_err "[twinkle worker caller: runtime_plugin.cpp:$wrk] Target.boom failed on group b rank 0"
+    expect_err "target 0 exploded"
+    # A target that hangs: the worker's call times out (1 s) and says so, long before the job's
+    # 20 s timeout.
+    start=$SECONDS
+    run 1 "$TWK" run --quiet --set job.driver=peer_fail --set args.which=stall "$TMP/peers.toml"
+    expect_err "[twinkle driver caller: runtime_plugin.cpp:$drv] Caller.fail failed on group a rank 0"
+    expect_err "[twinkle worker caller: runtime_plugin.cpp:$wrk] Target.stall timed out after 1 s: ranks [0, 1] of group b did not answer"
+    [ $((SECONDS - start)) -lt 15 ] || fail "the stalled call took $((SECONDS - start)) s to fail"
+    # A target worker that dies during the call: the run fails at once, naming it.
+    start=$SECONDS
+    run 1 "$TWK" run --quiet --set job.driver=peer_fail --set args.which=die "$TMP/peers.toml"
+    grep -qE "root cause: worker b:[0-3] \(host [^,]+, pid [0-9]+\) was killed by signal 9" "$TMP/err" ||
+      { cat "$TMP/err"; fail "the dead target worker is not the root cause"; }
+    [ $((SECONDS - start)) -lt 15 ] || fail "the dead target took $((SECONDS - start)) s to report"
+    # A call back into a worker that waits for it: an error naming the cycle, not a hang.
+    start=$SECONDS
+    run 1 "$TWK" run --quiet --set job.driver=peer_fail --set args.which=cycle "$TMP/peers.toml"
+    expect_err "[twinkle driver caller: runtime_plugin.cpp:$(site PEER-CYCLE-SITE)] Caller.cycle failed on group a rank 0"
+    expect_err "deadlock: a cycle of calls: a:0 Caller.cycle -> b:0 Target.back (called at runtime_plugin.cpp:$(site PEER-CALLBACK-SITE)) -> a:0 Caller.noop (called at runtime_plugin.cpp:$(site PEER-BACK-SITE))"
+    [ $((SECONDS - start)) -lt 15 ] || fail "the cycle took $((SECONDS - start)) s to report"
+    # Three calls that wait on each other around a:0 -> b:0 -> c:0, none nested in another.
+    write_peer_job 1 1
+    start=$SECONDS
+    run 0 "$TWK" run --quiet --set job.driver=peer_ring "$TMP/peers.toml"
+    grep -qE "^RING ERROR .*deadlock: a cycle of calls that wait on each other: (a:0 Ring.pass -> b:0 Ring.pass -> c:0 Ring.pass -> a:0|b:0 Ring.pass -> c:0 Ring.pass -> a:0 Ring.pass -> b:0|c:0 Ring.pass -> a:0 Ring.pass -> b:0 Ring.pass -> c:0);" "$TMP/out" ||
+      { cat "$TMP/out"; fail "the ring of calls was not reported as a cycle"; }
+    [ $((SECONDS - start)) -lt 15 ] || fail "the ring took $((SECONDS - start)) s to report"
+    expect_clean
+    ;;
+
   shm)
     write_job "" ""
     run 0 "$TWK" run --set job.driver=shm "$TMP/job.toml"

@@ -29,6 +29,7 @@ class FakeChannel : public transport::DriverChannel {
  public:
   std::map<std::size_t, std::vector<Message>> sent;
   std::function<void(std::size_t peer, const Message& m)> on_send;
+  std::function<void()> on_next;  // runs as next() starts (inside a wait)
 
   const std::string& endpoint() const override { return endpoint_; }
   void send(std::size_t peer, const Message& m) override {
@@ -36,6 +37,7 @@ class FakeChannel : public transport::DriverChannel {
     if (on_send) on_send(peer, m);
   }
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override {
+    if (on_next) on_next();
     std::unique_lock lock(mu_);
     auto any = [&] { return !events_.empty(); };
     if (timeout.count() < 0) {
@@ -475,4 +477,92 @@ TEST_CASE("call: an unknown method or instance", "[call_table]") {
   CHECK(Table::error_of([&] { t.table.call(inst + 100, "m", Value::list(), "x.cpp:7"); }) ==
         "unknown instance handle");
   CHECK(t.channel.count(0, MsgType::call) == 0);
+}
+
+// ----- Calls from a worker to another group (DESIGN.md 10b) -----------------------------------
+
+TEST_CASE("a worker's call with execute = peer reaches its block only, sliced across it") {
+  // The caller is rank 1 of a group of 2; the target group "g" has 4 workers: block [2, 3].
+  Table t;
+  plugins::ClassInfo cls = t.cls;
+  cls.methods.push_back(method("peer", Dispatch::slice, Execute::peer, Collect::none));
+  t.start();
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, m.body["args"][0]);
+  };
+  // An instance that another caller made (its handle came as an argument).
+  const std::uint64_t inst = 77;
+  t.table.attach(inst, cls, 0);
+  t.table.attach(inst, cls, 0);  // again: the same instance, accepted
+  const std::uint64_t f =
+      t.table.call(inst, "peer", Value::list({Value::list({1, 2, 3, 4, 5})}), "w.cpp:3",
+                   PeerCaller{1, 2}, Value::map({{"chain", Value::list({"frame"})}}));
+  const Value got = t.table.wait(f);
+  CHECK(got.repr() == Value::list({Value::list({1, 2, 3}), Value::list({4, 5})}).repr());
+  CHECK(t.channel.count(0, MsgType::call) == 0);
+  CHECK(t.channel.count(1, MsgType::call) == 0);
+  // The extra fields (the caller's chain) and the call site travel with the call.
+  const Message& sent = t.channel.last(2, MsgType::call);
+  CHECK(sent.body["chain"][0].as<std::string>() == "frame");
+  CHECK(sent.body["caller"].as<std::string>() == "w.cpp:3");
+}
+
+TEST_CASE("a class with execute = peer created from a worker lives on the caller's block") {
+  Table t;
+  t.start();
+  plugins::ClassInfo peer_cls = t.cls;
+  peer_cls.execute = Execute::peer;
+  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::create)
+      t.channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, static_cast<int>(peer));
+  };
+  // Rank 3 of 8 callers, 4 targets: worker 3 mod 4 = 3.
+  const std::uint64_t inst = t.table.create(peer_cls, 0, Value::list(), PeerCaller{3, 8});
+  for (std::size_t p = 0; p < 3; ++p) CHECK(t.channel.count(p, MsgType::create) == 0);
+  CHECK(t.channel.count(3, MsgType::create) == 1);
+  // `all` on it means the workers it lives on.
+  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "w.cpp:1")).as<int>() == 3);
+  for (std::size_t p = 0; p < 3; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
+}
+
+TEST_CASE("ids of instances made by different callers never collide") {
+  FakeChannel channel;
+  CallTable table(channel, {GroupInfo{"g", DeviceMesh::data_parallel(1), {0}}}, Table::workers(),
+                  {}, 5, std::uint64_t(3) << 40);
+  plugins::ClassInfo cls = class_c();
+  channel.on_send = [&](std::size_t peer, const Message& m) {
+    if (m.type == MsgType::create)
+      channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+  };
+  CHECK(table.create(cls, 0, Value::list()) == (std::uint64_t(3) << 40) + 1);
+  // An attached handle of another class on the same id is refused.
+  plugins::ClassInfo other = cls;
+  other.name = "D";
+  CHECK_THROWS_AS(table.attach((std::uint64_t(3) << 40) + 1, other, 0), CallError);
+}
+
+TEST_CASE(
+    "waiting_peers names the workers the call in wait() still waits for; fail_waiting "
+    "ends that wait with an error") {
+  Table t;
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(); });
+  t.channel.on_send = nullptr;  // nobody answers
+  const std::uint64_t f = t.table.call(inst, "m", Value::list(), "w.cpp:9");
+  CHECK(t.table.waiting_peers().empty());  // not in wait()
+  for (std::size_t p : {0u, 1u, 3u}) t.channel.reply(p, f, 1);
+  // Inside wait(), as a worker's probe handler would: see whom it waits for, then end it.
+  std::vector<std::size_t> seen;
+  t.channel.on_next = [&] {
+    if (t.table.waiting_peers() != std::vector<std::size_t>{2}) return;
+    seen = t.table.waiting_peers();
+    t.table.fail_waiting(2, "deadlock: a cycle");
+    t.channel.on_next = nullptr;
+    t.channel.wake();
+  };
+  const std::string e = Table::error_of([&] { t.table.wait(f); });
+  CHECK(seen == std::vector<std::size_t>{2});
+  CHECK(e.find("C.m failed on group g rank 2") != std::string::npos);
+  CHECK(e.find("deadlock: a cycle") != std::string::npos);
+  CHECK(t.table.waiting_peers().empty());
 }

@@ -43,6 +43,7 @@ class LocalWorkerLink : public WorkerLink {
                         [this](const std::string&) { return shm_.get(); });
   }
   Value adopt(const twk_value_v1& v) override { return shm_ ? decode_to_shm(v) : decode(v); }
+  zmq::socket_ref socket() override { return socket_; }
 
  private:
   zmq::socket_t socket_;
@@ -82,6 +83,7 @@ class TcpWorkerLink : public WorkerLink {
     return recv_message(socket_, static_cast<int>(timeout.count()));
   }
   Value adopt(const twk_value_v1& v) override { return decode(v); }
+  zmq::socket_ref socket() override { return socket_; }
 
  private:
   zmq::socket_t socket_;

@@ -74,6 +74,8 @@ class WorkerLink {
   virtual std::optional<Message> recv(std::chrono::milliseconds timeout) = 0;
   // A value the plugin handed over, in the form this channel sends best (DriverChannel::adopt).
   virtual Value adopt(const twk_value_v1& v) = 0;
+  // The socket to poll beside others (a worker also serves calls from other workers).
+  virtual zmq::socket_ref socket() = 0;
 };
 
 // The driver's end as a ZeroMQ ROUTER: what local and TCP channels share (peers by identity,

@@ -44,6 +44,8 @@ const char* to_string(MsgType t) {
     case MsgType::kv_get: return "kv_get";
     case MsgType::kv_value: return "kv_value";
     case MsgType::comm_join: return "comm_join";
+    case MsgType::peer_lost: return "peer_lost";
+    case MsgType::probe: return "probe";
     case MsgType::node_register: return "node_register";
     case MsgType::node_welcome: return "node_welcome";
     case MsgType::heartbeat: return "heartbeat";

@@ -14,11 +14,11 @@
 namespace twinkle::transport {
 
 // Version of the control-channel protocol, checked at hello. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 3;
+inline constexpr std::uint16_t kProtocolVersion = 4;
 
 enum class MsgType : std::uint16_t {
-  hello = 1,       // worker -> driver: {rank, group, pid, host}
-  welcome = 2,     // driver -> worker: {job, args, mesh, ...}
+  hello = 1,       // worker -> driver: {rank, group, pid, host, serve}
+  welcome = 2,     // driver -> worker: {job, args, mesh, ..., groups, peers}
   create = 3,      // driver -> worker, id = instance: {class, args}
   created = 4,     // worker -> driver, id = instance: {ok, error}
   call = 5,        // driver -> worker, id = call: {instance, method, args}
@@ -28,6 +28,10 @@ enum class MsgType : std::uint16_t {
   kv_get = 9,      // worker -> driver, id = request: {key}
   kv_value = 10,   // driver -> worker, id = request: {value}
   comm_join = 11,  // driver -> worker: {name, rank, size, members, timeout_s}: a cross-group comm
+  peer_lost = 12,  // driver -> worker: {peer, text}: a worker of the run is gone
+  probe = 13,      // worker -> worker: {origin, token, nodes, path}: who waits on whom (cycles)
+  // Calls between groups (DESIGN.md 10b) use create/created/call/reply from worker to worker,
+  // with {caller, chain} in create and call: the call sites and workers that led to the call.
 
   // Cluster messages (remote mode), between the head and its agents, drivers and clients. The
   // head forwards driver -> agent messages by body["node"] and agent -> driver ones by body["run"].

@@ -141,22 +141,25 @@ typedef struct twk_context_v1 {
   const char* job_dir;      /* the folder of the job file, for paths in [args] */
 } twk_context_v1;
 
-/* The host's functions. Driver operations are valid only inside a driver entry; the rest
- * anywhere. Every operation returns TWK_OK or TWK_ERROR with the message written to `err`. */
+/* The host's functions. create/call/wait/release work in driver entries and, with hosts whose
+ * `size` covers `attach`, in worker methods too (calls between groups: a worker's calls go straight
+ * to the target workers). Every operation returns TWK_OK or TWK_ERROR with the message written
+ * to `err`. */
 typedef struct twk_host_v1 {
   uint32_t size;
   uint32_t abi_version;
   void (*log)(void* host_ctx, int32_t level, const char* message);
-  /* Driver: construct class `cls` on every worker of `group` with constructor arguments `args`. */
+  /* Construct class `cls` on every worker of `group` with constructor arguments `args` (from a
+   * worker, a class with execute = peer only on the caller's peer block of `group`). */
   int32_t (*create)(void* host_ctx, const char* cls, const char* group, const twk_value_v1* args,
                     uint64_t* handle, twk_sink_v1* err);
-  /* Driver: start a call and return at once with a future. caller_* is the driver's call site. */
+  /* Start a call and return at once with a future. caller_* is the calling code's call site. */
   int32_t (*call)(void* host_ctx, uint64_t handle, const char* method, const twk_value_v1* args,
                   const char* caller_file, uint32_t caller_line, uint64_t* future,
                   twk_sink_v1* err);
-  /* Driver: block until the future completes; its collected result goes to `out`. */
+  /* Block until the future completes; its collected result goes to `out`. */
   int32_t (*wait)(void* host_ctx, uint64_t future, twk_sink_v1* out);
-  /* Driver: forget a future whose result is not wanted. */
+  /* Forget a future whose result is not wanted. */
   void (*release)(void* host_ctx, uint64_t future);
 
   /* Workers: collectives. `dim` NULL or "" is the whole group; "dp", "tp", "pp", "ep", ... the
@@ -186,6 +189,10 @@ typedef struct twk_host_v1 {
    * naming those that never joined. */
   int32_t (*comm_create)(void* host_ctx, const char* name, const twk_value_v1* members,
                          double timeout_s, twk_sink_v1* err);
+  /* Workers: make `instance`, an instance of class `cls` on `group` made elsewhere (its handle
+   * came as an argument), callable from this worker with call(). */
+  int32_t (*attach)(void* host_ctx, const char* cls, const char* group, uint64_t instance,
+                    twk_sink_v1* err);
 } twk_host_v1;
 
 typedef int32_t (*twk_construct_fn)(const twk_host_v1* host, const twk_context_v1* ctx,
@@ -268,7 +275,7 @@ static_assert(sizeof(twk_mesh_v1) == 56, "twk_mesh_v1 layout changed");
 static_assert(sizeof(twk_context_v1) == 80, "twk_context_v1 layout changed");
 /* twk_host_v1 grows only at its end; users check `size` for the fields after barrier. */
 static_assert(offsetof(twk_host_v1, barrier) == 88, "twk_host_v1 layout changed");
-static_assert(sizeof(twk_host_v1) == 104, "twk_host_v1 layout changed");
+static_assert(sizeof(twk_host_v1) == 112, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
 static_assert(sizeof(twk_class_v1) == 56, "twk_class_v1 layout changed");
 static_assert(sizeof(twk_plugin_v1) == 88, "twk_plugin_v1 layout changed");

@@ -117,12 +117,17 @@ inline std::string base_name(const char* path) {
   return std::string(slash == std::string_view::npos ? p : p.substr(slash + 1));
 }
 
-// The one place that writes the call site into an error: "[twinkle driver caller: FILE:LINE] ".
-// The host's messages never carry it; every error of call(), create() and get() gets it here.
-inline std::string caller_prefix(const std::source_location& where) {
-  return "[twinkle driver caller: " + base_name(where.file_name()) + ":" +
-         std::to_string(where.line()) + "] ";
+// The one place that writes the call site into an error: "[twinkle driver caller: FILE:LINE] "
+// (or "worker caller" for a call a worker method made to another group). The host's messages
+// never carry it; every error of call(), create() and get() gets it here, so an error that went
+// through a worker names both call sites: the driver's and the worker's.
+inline std::string caller_prefix(const std::source_location& where, bool worker = false) {
+  return std::string(worker ? "[twinkle worker caller: " : "[twinkle driver caller: ") +
+         base_name(where.file_name()) + ":" + std::to_string(where.line()) + "] ";
 }
+
+// The key of a handle passed as an argument (Handle::ref, Context::handle).
+inline constexpr const char* kHandleKey = "twinkle.instance";
 
 inline void set_error(twk_sink_v1* sink, const char* message) {
   if (sink && sink->set_error) sink->set_error(sink->target, message);
@@ -354,6 +359,9 @@ class Communicator {
   mutable std::optional<std::pair<int, int>> cached_;
 };
 
+class Handle;
+struct GroupRef;
+
 // Where a constructor or method runs: rank, group, mesh, job args, log. Valid for the duration of
 // the call it is passed to; do not keep it.
 class Context {
@@ -395,6 +403,18 @@ class Context {
     return Communicator(host_, ctx_->host_ctx, std::string(dim));
   }
 
+  // Calls between groups (DESIGN.md 10b). Constructs `cls` on the workers of another group (a
+  // class with execute = peer: only on this rank's peer block of it) and waits until all are
+  // built; its handle calls them straight from this worker.
+  template <class... A>
+  Handle create(std::string_view cls, GroupRef group, A&&... args) const;
+  template <class Cls, class... A>
+  Handle create(GroupRef group, A&&... args) const;
+  // The handle of an instance made elsewhere, passed to this method as an argument
+  // (`handle.ref()` where it was made).
+  Handle handle(const Value& ref,
+                std::source_location where = std::source_location::current()) const;
+
   const twk_host_v1* host() const { return host_; }
   const twk_context_v1* raw() const { return ctx_; }
 
@@ -410,8 +430,8 @@ class Context {
 class LazyCollect {
  public:
   LazyCollect(const twk_host_v1* host, void* host_ctx, std::uint64_t future,
-              std::source_location where = std::source_location::current())
-      : host_(host), host_ctx_(host_ctx), future_(future), where_(where) {}
+              std::source_location where = std::source_location::current(), bool worker = false)
+      : host_(host), host_ctx_(host_ctx), future_(future), where_(where), worker_(worker) {}
   LazyCollect(LazyCollect&& o) noexcept { *this = std::move(o); }
   LazyCollect& operator=(LazyCollect&& o) noexcept {
     if (this != &o) {
@@ -420,6 +440,7 @@ class LazyCollect {
       host_ctx_ = o.host_ctx_;
       future_ = std::exchange(o.future_, 0);
       where_ = o.where_;
+      worker_ = o.worker_;
       result_ = std::move(o.result_);
       error_ = std::move(o.error_);
     }
@@ -429,20 +450,10 @@ class LazyCollect {
   LazyCollect& operator=(const LazyCollect&) = delete;
   ~LazyCollect() { drop(); }
 
-  const Value& get() {
-    if (future_) {
-      detail::SinkTarget t;
-      twk_sink_v1 sink = t.sink();
-      std::uint64_t f = std::exchange(future_, 0);
-      if (host_->wait(host_ctx_, f, &sink) != TWK_OK || t.failed) {
-        error_ = detail::caller_prefix(where_) + (t.error.empty() ? "remote call failed" : t.error);
-      } else {
-        result_ = t.value ? std::move(*t.value) : Value();
-      }
-    }
-    if (error_) throw RemoteError(*error_);
-    return *result_;
-  }
+  // On a temporary (`for (auto& r : h.call(...).get())`), the result is moved out, so that it
+  // outlives the LazyCollect.
+  Value get() && { return std::move(const_cast<Value&>(resolve())); }
+  const Value& get() & { return resolve(); }
   const Value& operator()() { return get(); }
   const Value* operator->() { return &get(); }
   const Value& operator[](std::string_view key) { return get()[key]; }
@@ -454,6 +465,21 @@ class LazyCollect {
   Value::List::const_iterator end() { return get().end(); }
 
  private:
+  const Value& resolve() {
+    if (future_) {
+      detail::SinkTarget t;
+      twk_sink_v1 sink = t.sink();
+      std::uint64_t f = std::exchange(future_, 0);
+      if (host_->wait(host_ctx_, f, &sink) != TWK_OK || t.failed) {
+        error_ = detail::caller_prefix(where_, worker_) +
+                 (t.error.empty() ? "remote call failed" : t.error);
+      } else {
+        result_ = t.value ? std::move(*t.value) : Value();
+      }
+    }
+    if (error_) throw RemoteError(*error_);
+    return *result_;
+  }
   void drop() noexcept {
     if (future_ && host_ && host_->release) host_->release(host_ctx_, future_);
     future_ = 0;
@@ -462,6 +488,7 @@ class LazyCollect {
   void* host_ctx_ = nullptr;
   std::uint64_t future_ = 0;
   std::source_location where_;  // the call() that started it
+  bool worker_ = false;         // started by a worker method, not the driver
   std::optional<Value> result_;
   std::optional<std::string> error_;
 };
@@ -478,11 +505,18 @@ struct MethodRef {
       : name(n), where(w) {}
 };
 
-// One instance of a class on every worker of a group.
+// One instance of a class on every worker of a group (or on a peer block of it). Copyable: a copy
+// calls the same instance.
 class Handle {
  public:
-  Handle(const twk_host_v1* host, void* host_ctx, std::uint64_t id, std::string cls)
-      : host_(host), host_ctx_(host_ctx), id_(id), cls_(std::move(cls)) {}
+  Handle(const twk_host_v1* host, void* host_ctx, std::uint64_t id, std::string cls,
+         std::string group = "", bool worker = false)
+      : host_(host),
+        host_ctx_(host_ctx),
+        id_(id),
+        cls_(std::move(cls)),
+        group_(std::move(group)),
+        worker_(worker) {}
 
   // Starts the method on the group's workers and returns at once.
   template <class... A>
@@ -492,20 +526,36 @@ class Handle {
     twk_sink_v1 sink = t.sink();
     std::uint64_t future = 0;
     const std::string name(method.name);
+    if (!host_->call) {
+      throw RemoteError(detail::caller_prefix(method.where, worker_) +
+                        "this twinkle runs calls from driver entries only; upgrade it for calls "
+                        "between groups");
+    }
     if (host_->call(host_ctx_, id_, name.c_str(), e.view(), method.where.file_name(),
                     method.where.line(), &future, &sink) != TWK_OK) {
-      throw RemoteError(detail::caller_prefix(method.where) + t.error);
+      throw RemoteError(detail::caller_prefix(method.where, worker_) + t.error);
     }
-    return LazyCollect(host_, host_ctx_, future, method.where);
+    return LazyCollect(host_, host_ctx_, future, method.where, worker_);
   }
 
+  // What to pass as an argument so that a worker method can call this instance
+  // (ctx.handle(ref) there): a map {"twinkle.instance": id, "class": ..., "group": ...}.
+  Value ref() const {
+    return Value::map(
+        {{detail::kHandleKey, static_cast<std::int64_t>(id_)}, {"class", cls_}, {"group", group_}});
+  }
+  operator Value() const { return ref(); }
+
   const std::string& class_name() const { return cls_; }
+  const std::string& group() const { return group_; }
 
  private:
   const twk_host_v1* host_;
   void* host_ctx_;
   std::uint64_t id_;
   std::string cls_;
+  std::string group_;
+  bool worker_;
 };
 
 namespace detail {
@@ -549,7 +599,7 @@ class Driver {
     if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK) {
       throw RemoteError(detail::caller_prefix(group.where) + t.error);
     }
-    return Handle(host_, ctx_->host_ctx, id, c);
+    return Handle(host_, ctx_->host_ctx, id, c, g);
   }
   template <class Cls, class... A>
   Handle create(GroupRef group, A&&... args) const {
@@ -610,6 +660,50 @@ class Driver {
   const twk_context_v1* ctx_;
   mutable std::optional<Value> args_;
 };
+
+template <class... A>
+Handle Context::create(std::string_view cls, GroupRef group, A&&... args) const {
+  if (host_->size < offsetof(twk_host_v1, attach) + sizeof(void*) || !host_->create) {
+    throw RemoteError(detail::caller_prefix(group.where, true) +
+                      "this twinkle runs calls from driver entries only; upgrade it for calls "
+                      "between groups");
+  }
+  EncodedValue e = encode(Value::list({Value(std::forward<A>(args))...}));
+  detail::SinkTarget t;
+  twk_sink_v1 sink = t.sink();
+  std::uint64_t id = 0;
+  const std::string c(cls), g(group.name);
+  if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK)
+    throw RemoteError(detail::caller_prefix(group.where, true) + t.error);
+  return Handle(host_, ctx_->host_ctx, id, c, g, true);
+}
+
+template <class Cls, class... A>
+Handle Context::create(GroupRef group, A&&... args) const {
+  return create(detail::ClassName<Cls>::value, group, std::forward<A>(args)...);
+}
+
+inline Handle Context::handle(const Value& ref, std::source_location where) const {
+  const std::string prefix = detail::caller_prefix(where, true);
+  if (!ref.is_map() || !ref.contains(detail::kHandleKey) || !ref.contains("class") ||
+      !ref.contains("group")) {
+    throw RemoteError(prefix +
+                      "ctx.handle: the argument is not a handle; pass handle.ref() (or the "
+                      "handle itself) where the instance was made");
+  }
+  if (host_->size < offsetof(twk_host_v1, attach) + sizeof(void*) || !host_->attach) {
+    throw RemoteError(prefix +
+                      "this twinkle runs calls from driver entries only; upgrade it for calls "
+                      "between groups");
+  }
+  const auto id = static_cast<std::uint64_t>(ref[detail::kHandleKey].as<std::int64_t>());
+  const std::string cls = ref["class"].as<std::string>(), group = ref["group"].as<std::string>();
+  detail::SinkTarget t;
+  twk_sink_v1 sink = t.sink();
+  if (host_->attach(ctx_->host_ctx, cls.c_str(), group.c_str(), id, &sink) != TWK_OK)
+    throw RemoteError(prefix + t.error);
+  return Handle(host_, ctx_->host_ctx, id, cls, group, true);
+}
 
 namespace detail {
 

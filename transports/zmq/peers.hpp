@@ -1,0 +1,93 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "transports/fd.hpp"
+#include "transports/zmq/auth.hpp"
+#include "transports/zmq/channel.hpp"
+#include "transports/zmq/message.hpp"
+
+// Calls between groups (DESIGN.md 10b): worker-to-worker traffic. Every worker serves calls from
+// the other workers of its run on a socket of its own (ServeSocket); a worker that calls another
+// opens a connection to it the first time (PeerChannel). The driver only hands out the addresses.
+namespace twinkle::transport {
+
+// A worker's ROUTER for calls from other workers: ipc in local mode, TCP (CURVE with the run's
+// worker keys when the cluster uses keys) in remote mode.
+class ServeSocket {
+ public:
+  struct Request {
+    std::string from;  // the calling worker's name ("sampler:1")
+    Message message;
+  };
+
+  // Binds `endpoint` ("ipc://PATH" or "tcp://HOST:*"); `security.keys` make it a CURVE server.
+  // Throws TransportError naming the endpoint.
+  ServeSocket(zmq::context_t& context, const std::string& endpoint, const SocketSecurity& security);
+  // Where the others connect (the port a tcp://HOST:* bind got).
+  const std::string& endpoint() const { return endpoint_; }
+  zmq::socket_ref socket() { return socket_; }
+  // The next request, waiting at most `timeout`; nullopt when none came. A message that does not
+  // decode is dropped with a line on stderr (nothing else of the run is affected).
+  std::optional<Request> recv(std::chrono::milliseconds timeout);
+  void reply(const std::string& to, const Message& m);
+
+ private:
+  zmq::socket_t socket_;
+  std::string endpoint_;
+};
+
+// A worker's connections to the serve sockets of the other workers, as a DriverChannel: the call
+// table a worker uses for its calls between groups runs over it unchanged. Peers are the run's
+// workers by index; each gets a DEALER (identity: this worker's name) when first sent to.
+// While next() waits it also watches other sockets (the worker's driver link and serve socket)
+// and runs their handlers, so that a worker waiting for another still answers what must not wait.
+class PeerChannel : public DriverChannel {
+ public:
+  // `endpoints[i]`: worker i's serve socket. `security`: the run's worker keys as a client of
+  // the other workers' CURVE servers (empty: plain).
+  PeerChannel(zmq::context_t& context, std::string identity, std::vector<std::string> names,
+              std::vector<std::string> endpoints, SocketSecurity security);
+  ~PeerChannel() override;
+
+  // While next() waits, `on_ready` runs whenever `socket` has input.
+  void watch(zmq::socket_ref socket, std::function<void()> on_ready);
+  // While next() waits, `tick` runs every `interval`.
+  void every(std::chrono::milliseconds interval, std::function<void()> tick);
+
+  const std::string& endpoint() const override { return identity_; }
+  void send(std::size_t peer, const Message& m) override;
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
+  void lost(std::size_t peer, std::string reason) override;
+  void wake() override;
+  std::uint64_t dropped() const override { return dropped_; }
+  Value adopt(const twk_value_v1& v) override { return decode(v); }
+
+ private:
+  zmq::socket_t& connection(std::size_t peer);
+
+  zmq::context_t& context_;
+  std::string identity_;
+  std::vector<std::string> names_;
+  std::vector<std::string> endpoints_;
+  SocketSecurity security_;
+  std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // by peer, made on first send
+  std::vector<std::size_t> open_;                        // peers with a socket
+  std::vector<std::pair<zmq::socket_ref, std::function<void()>>> watched_;
+  std::chrono::milliseconds tick_interval_{0};
+  std::function<void()> tick_;
+  std::deque<ChannelEvent> pending_;  // lost and wake events
+  Fd wake_;
+  std::uint64_t dropped_ = 0;
+};
+
+}  // namespace twinkle::transport
