@@ -43,8 +43,9 @@ constexpr auto kProbeInterval = std::chrono::milliseconds(300);
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
-// the control socket, the rendezvous socket, the owner file, this worker's serve socket
-char g_run_files[4][kPathMax];
+// the control socket, the rendezvous socket, the owner file, this worker's serve socket and its
+// descriptor socket
+char g_run_files[5][kPathMax];
 char g_run_dir[kPathMax];
 // The other local workers' serve sockets (set once at the welcome, never freed): the first
 // worker to notice the driver's death kills the rest before they could remove their own.
@@ -300,6 +301,7 @@ class Worker : public DriverOps {
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
     std::snprintf(g_run_files[3], sizeof g_run_files[3], "%s", path.c_str());
+    std::snprintf(g_run_files[4], sizeof g_run_files[4], "%s.fd", path.c_str());
     return "ipc://" + path;
   }
 
@@ -355,7 +357,9 @@ class Worker : public DriverOps {
     const std::string prefix = "ipc://" + options_.run_dir.string() + "/";
     auto* paths = new std::vector<std::string>;  // lives as long as the process
     for (const auto& e : endpoints) {
-      if (e.starts_with(prefix)) paths->push_back(e.substr(6));
+      if (!e.starts_with(prefix)) continue;
+      paths->push_back(e.substr(6));
+      paths->push_back(transport::shm_listener_path(e));
     }
     auto* list = new const char*[paths->size() + 1];
     for (std::size_t i = 0; i < paths->size(); ++i) list[i] = (*paths)[i].c_str();
@@ -782,7 +786,7 @@ class Worker : public DriverOps {
     twk_context_v1 ctx = context();
     SinkCapture out;
     out.adopt = [this, from_driver](const twk_value_v1& v) {
-      return from_driver ? link_->adopt(v) : decode(v);
+      return from_driver ? link_->adopt(v) : transport::decode_to_shm(v);
     };
     twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);

@@ -266,6 +266,12 @@ if got != want or got_made != made:
     sys.exit(1)
 PY
     done
+    # 64 MiB from worker to worker and back: bit-exact, and on the way there in shared memory
+    # (the target sees the tensor inside a memfd mapping), not through the socket.
+    write_peer_job 2 2
+    run 0 "$TWK" run --quiet --set args.mib=64 "$TMP/peers.toml"
+    expect_out "a:0 64 MiB to its peer: bit-exact yes, shared memory yes; back: bit-exact yes"
+    expect_out "a:1 64 MiB to its peer: bit-exact yes, shared memory yes; back: bit-exact yes"
     # Failures name both call sites: the driver's and the worker's.
     site() { grep -n "$1" "$SRC/tests/fixtures/runtime_plugin.cpp" | head -1 | cut -d: -f1; }
     drv=$(site PEER-DRIVER-SITE)

@@ -1,6 +1,9 @@
 #include "transports/zmq/peers.hpp"
 
+#include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,7 +29,27 @@ void plain_options(zmq::socket_t& s) {
   s.set(zmq::sockopt::rcvhwm, 0);
 }
 
+// A SEQPACKET socket connected to (or bound at) `path`; an invalid Fd if that fails.
+Fd unix_seqpacket(const std::string& path, bool bind_it) {
+  sockaddr_un a{};
+  if (path.size() >= sizeof a.sun_path) return Fd();
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  Fd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd) return Fd();
+  auto* addr = reinterpret_cast<sockaddr*>(&a);
+  if (bind_it ? (::bind(fd.get(), addr, sizeof a) != 0 || ::listen(fd.get(), 64) != 0)
+              : ::connect(fd.get(), addr, sizeof a) != 0)
+    return Fd();
+  return fd;
+}
+
 }  // namespace
+
+std::string shm_listener_path(const std::string& serve_endpoint) {
+  if (!serve_endpoint.starts_with("ipc://")) return {};
+  return serve_endpoint.substr(6) + ".fd";
+}
 
 ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
                          const SocketSecurity& security)
@@ -44,12 +67,49 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
                                      endpoint, e.what()));
   }
   endpoint_ = socket_.get(zmq::sockopt::last_endpoint);
+  if (const std::string path = shm_listener_path(endpoint); !path.empty()) {
+    listener_ = unix_seqpacket(path, true);
+    if (!listener_) {
+      throw TransportError(fmt::format("cannot listen on {} (shared memory between workers): {}",
+                                       path, std::strerror(errno)));
+    }
+    listener_path_ = path;
+  }
+}
+
+ServeSocket::~ServeSocket() {
+  if (!listener_path_.empty()) ::unlink(listener_path_.c_str());
+}
+
+void ServeSocket::accept_pending() {
+  if (!listener_) return;
+  for (;;) {
+    pollfd p{listener_.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) != 1) return;
+    Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd) return;
+    // The caller writes its name right after connecting, before its first call.
+    pollfd q{fd.get(), POLLIN, 0};
+    char name[256];
+    if (::poll(&q, 1, 1000) != 1) continue;
+    const ssize_t n = ::recv(fd.get(), name, sizeof name, 0);
+    if (n <= 0) continue;
+    shm_[std::string(name, static_cast<std::size_t>(n))] =
+        std::make_unique<ShmChannel>(fd.release());
+  }
+}
+
+ShmChannel* ServeSocket::shm_of(const std::string& caller) {
+  accept_pending();
+  auto it = shm_.find(caller);
+  return it == shm_.end() ? nullptr : it->second.get();
 }
 
 std::optional<ServeSocket::Request> ServeSocket::recv(std::chrono::milliseconds timeout) {
   std::string from;
   try {
-    auto m = recv_message(socket_, static_cast<int>(timeout.count()), &from);
+    auto m = recv_message(socket_, static_cast<int>(timeout.count()), &from,
+                          [this](const std::string& caller) { return shm_of(caller); });
     if (!m) return std::nullopt;
     return Request{std::move(from), std::move(*m)};
   } catch (const TransportError& e) {
@@ -62,7 +122,7 @@ std::optional<ServeSocket::Request> ServeSocket::recv(std::chrono::milliseconds 
 
 void ServeSocket::reply(const std::string& to, const Message& m) {
   try {
-    send_message(socket_, m, &to);
+    send_message(socket_, m, &to, shm_of(to));
   } catch (const zmq::error_t&) {
     // The caller is gone (its worker exited): nobody waits for this answer any more.
   }
@@ -76,7 +136,8 @@ PeerChannel::PeerChannel(zmq::context_t& context, std::string identity,
       names_(std::move(names)),
       endpoints_(std::move(endpoints)),
       security_(std::move(security)),
-      sockets_(endpoints_.size()) {
+      sockets_(endpoints_.size()),
+      shm_(endpoints_.size()) {
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_)
     throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
@@ -109,14 +170,26 @@ zmq::socket_t& PeerChannel::connection(std::size_t peer) {
     set_heartbeats(*socket, kHeartbeatInterval, kHeartbeatTimeout);
   }
   socket->connect(endpoints_[peer]);
+  shm_[peer] = open_shm(peer);
   s = std::move(socket);
   open_.push_back(peer);
   return *s;
 }
 
+std::unique_ptr<ShmChannel> PeerChannel::open_shm(std::size_t peer) {
+  const std::string path = shm_listener_path(endpoints_[peer]);
+  if (path.empty()) return nullptr;
+  Fd fd = unix_seqpacket(path, false);
+  if (!fd || ::send(fd.get(), identity_.data(), identity_.size(), MSG_NOSIGNAL) !=
+                 static_cast<ssize_t>(identity_.size()))
+    return nullptr;  // plain frames then: slower, not wrong
+  return std::make_unique<ShmChannel>(fd.release());
+}
+
 void PeerChannel::send(std::size_t peer, const Message& m) {
   try {
-    send_message(connection(peer), m);
+    zmq::socket_t& socket = connection(peer);
+    send_message(socket, m, nullptr, shm_[peer].get());
   } catch (const zmq::error_t& e) {
     throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
@@ -154,7 +227,8 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
     // Replies first: every connection that has one.
     for (std::size_t peer : open_) {
       try {
-        if (auto m = recv_message(*sockets_[peer], 0)) {
+        if (auto m = recv_message(*sockets_[peer], 0, nullptr,
+                                  [&](const std::string&) { return shm_[peer].get(); })) {
           ChannelEvent e;
           e.peer = peer;
           e.message = std::move(*m);

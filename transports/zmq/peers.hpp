@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12,6 +13,7 @@
 #include <zmq.hpp>
 
 #include "transports/fd.hpp"
+#include "transports/shm/segment.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
@@ -22,7 +24,10 @@
 namespace twinkle::transport {
 
 // A worker's ROUTER for calls from other workers: ipc in local mode, TCP (CURVE with the run's
-// worker keys when the cluster uses keys) in remote mode.
+// worker keys when the cluster uses keys) in remote mode. Beside an ipc endpoint PATH it listens on
+// PATH.fd (a Unix SEQPACKET socket): a local caller connects there first and says its name, and
+// from then on tensors of kShmThreshold bytes or more travel between the two as shared memory
+// (their descriptors over that connection), as between the driver and its local workers.
 class ServeSocket {
  public:
   struct Request {
@@ -33,6 +38,9 @@ class ServeSocket {
   // Binds `endpoint` ("ipc://PATH" or "tcp://HOST:*"); `security.keys` make it a CURVE server.
   // Throws TransportError naming the endpoint.
   ServeSocket(zmq::context_t& context, const std::string& endpoint, const SocketSecurity& security);
+  ~ServeSocket();
+  ServeSocket(const ServeSocket&) = delete;
+  ServeSocket& operator=(const ServeSocket&) = delete;
   // Where the others connect (the port a tcp://HOST:* bind got).
   const std::string& endpoint() const { return endpoint_; }
   zmq::socket_ref socket() { return socket_; }
@@ -40,11 +48,23 @@ class ServeSocket {
   // decode is dropped with a line on stderr (nothing else of the run is affected).
   std::optional<Request> recv(std::chrono::milliseconds timeout);
   void reply(const std::string& to, const Message& m);
+  // How many callers have a shared-memory channel to this worker.
+  std::size_t shm_callers() const { return shm_.size(); }
 
  private:
+  // Takes the callers that connected to the descriptor socket (each says its name first).
+  void accept_pending();
+  ShmChannel* shm_of(const std::string& caller);
+
   zmq::socket_t socket_;
   std::string endpoint_;
+  std::string listener_path_;  // PATH.fd; empty for TCP
+  Fd listener_;
+  std::map<std::string, std::unique_ptr<ShmChannel>> shm_;  // by caller name
 };
+
+// Where a worker serving at ipc://PATH takes descriptor connections: PATH.fd ("" for TCP).
+std::string shm_listener_path(const std::string& serve_endpoint);
 
 // A worker's connections to the serve sockets of the other workers, as a DriverChannel: the call
 // table a worker uses for its calls between groups runs over it unchanged. Peers are the run's
@@ -70,10 +90,13 @@ class PeerChannel : public DriverChannel {
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
   std::uint64_t dropped() const override { return dropped_; }
-  Value adopt(const twk_value_v1& v) override { return decode(v); }
+  // Tensors of kShmThreshold bytes or more go straight into shared memory.
+  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v); }
 
  private:
   zmq::socket_t& connection(std::size_t peer);
+  // A shared-memory channel to a local peer (nullptr for a TCP peer, or if it cannot be made).
+  std::unique_ptr<ShmChannel> open_shm(std::size_t peer);
 
   zmq::context_t& context_;
   std::string identity_;
@@ -81,6 +104,7 @@ class PeerChannel : public DriverChannel {
   std::vector<std::string> endpoints_;
   SocketSecurity security_;
   std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // by peer, made on first send
+  std::vector<std::unique_ptr<ShmChannel>> shm_;         // by peer, beside its socket
   std::vector<std::size_t> open_;                        // peers with a socket
   std::vector<std::pair<zmq::socket_ref, std::function<void()>>> watched_;
   std::chrono::milliseconds tick_interval_{0};
