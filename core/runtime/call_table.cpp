@@ -71,8 +71,6 @@ void CallTable::on_lost(std::size_t peer, const std::string& reason) {
   if (on_first_loss_) on_first_loss_(peer, lost_->text);
 }
 
-bool CallTable::waiting_on(std::size_t peer) const { return !call_waiting_on(peer).empty(); }
-
 std::vector<std::size_t> CallTable::waiting_peers() const {
   std::vector<std::size_t> out;
   auto it = calls_.find(in_wait_);
@@ -97,19 +95,6 @@ void CallTable::fail_waiting(std::size_t peer, const std::string& error) {
     c.errors[pos] = error;
     ++c.answered;
   }
-}
-
-std::string CallTable::call_waiting_on(std::size_t peer) const {
-  if (peer >= workers_.size()) return {};
-  const WorkerInfo& w = workers_[peer];
-  for (const auto& [id, c] : calls_) {
-    if (c.released || c.group != w.group) continue;
-    const auto pos = static_cast<std::size_t>(
-        std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
-    if (pos < c.workers.size() && !c.results[pos] && !c.errors.count(pos))
-      return fmt::format("{} (caller: {})", c.what, c.caller);
-  }
-  return {};
 }
 
 void CallTable::on_event(ChannelEvent& e) {

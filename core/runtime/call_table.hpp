@@ -110,10 +110,6 @@ class CallTable {
   // How calls name their call site in lost_().calls: "driver caller" (the default) or
   // "worker caller".
   void set_caller_label(std::string label) { caller_label_ = std::move(label); }
-  // Whether a call still waits for an answer from `peer` (a worker's calls: cycle checks).
-  bool waiting_on(std::size_t peer) const;
-  // The call still waiting for `peer`, "Class.method (caller: file:line)"; empty if none.
-  std::string call_waiting_on(std::size_t peer) const;
   // The peers that the call in wait() (if any) still waits for, ascending.
   std::vector<std::size_t> waiting_peers() const;
   // Every call still waiting for `peer` gets `error` as that worker's answer (a cycle of calls

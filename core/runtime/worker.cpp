@@ -543,11 +543,9 @@ class Worker : public DriverOps {
     }
     if (!through_me) {
       // Not nested in this worker's call, but from a worker that this call waits for.
-      std::optional<std::size_t> from;
-      for (std::size_t i = 0; i < table_->workers().size(); ++i) {
-        if (table_->workers()[i].name == r.from) from = i;
-      }
-      if (!from || !table_->waiting_on(*from)) return std::nullopt;
+      const auto from = peer_index(r.from);
+      const auto waits = table_->waiting_peers();  // the call in wait(), if any
+      if (!from || std::find(waits.begin(), waits.end(), *from) == waits.end()) return std::nullopt;
       path = {now, chain.size() > 0 ? frame_text(chain[chain.size() - 1]) : r.from};
     }
     path.push_back(asked);
