@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   try {
     // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
     // times, alternating, and the medians are compared.
-    std::vector<double> zp50, zp99, tp50, tp99, pp50, pp99;
+    std::vector<double> zp50, zp99, tp50, tp99, pp50, pp99, psend;
     std::map<std::string, double> c;
     for (int rep = 0; rep < 3; ++rep) {
       const auto [p50, p99] = zmq_rtt(calls);
@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
           run_twinkle(twinkle, job, "peer_calls", {fmt::format("args.calls={}", calls)}).figures;
       pp50.push_back(p["peer_rtt_p50"]);
       pp99.push_back(p["peer_rtt_p99"]);
+      psend.push_back(p["peer_send"]);
     }
     const double zmq_p50 = percentile(zp50, 0.5), zmq_p99 = percentile(zp99, 0.5);
     c["call_rtt_p50"] = percentile(tp50, 0.5);
@@ -189,6 +190,8 @@ int main(int argc, char** argv) {
         zmq_p50);
     row("   worker -> peer worker round trip p99 (us)*", percentile(pp99, 0.5), "", "zmq rtt p99",
         zmq_p99);
+    row("   256 MiB f32 worker -> peer worker, GB/s", percentile(psend, 0.5), "", "memcpy GB/s",
+        mem);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "twinkle_bench: %s\n", e.what());

@@ -60,6 +60,23 @@ struct Bench {
     std::sort(rtt.begin(), rtt.end());
     return Value::map({{"p50", rtt[rtt.size() / 2]}, {"p99", rtt[rtt.size() * 99 / 100]}});
   }
+  // Seconds of one call that hands `mib` MiB to another group's worker (`target`, a handle),
+  // best of `reps`, after one warm-up.
+  double peer_send(Context& ctx, const Value& target, int mib, int reps) {
+    auto h = ctx.handle(target);
+    Tensor t(twinkle::DType::f32, {static_cast<std::int64_t>(mib) << 18});
+    auto s = t.mutable_span<float>();
+    for (std::size_t i = 0; i < s.size(); i += 1024) s[i] = 1.0f;
+    h.call("take", Tensor(twinkle::DType::f32, {8 * 1024})).get();
+    double best = 1e300;
+    for (int i = 0; i < reps; ++i) {
+      const auto t0 = Clock::now();
+      if (h.call("take", t).get().as<std::int64_t>() != static_cast<std::int64_t>(t.nbytes()))
+        throw std::runtime_error("the peer lost bytes");
+      best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    return best;
+  }
   // One 1-float all_reduce: connects the group's collective on first use.
   double reduce_one(Context& ctx) {
     float x = 1.0f;
@@ -75,6 +92,8 @@ TWINKLE_METHOD(Bench, all_reduce, twinkle::dispatch::all, twinkle::collect::firs
 TWINKLE_METHOD(Bench, broadcast, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, reduce_one, twinkle::dispatch::all, twinkle::collect::first);
 TWINKLE_METHOD(Bench, peer_rtt, twinkle::dispatch::all, twinkle::collect::first,
+               twinkle::execute::first);
+TWINKLE_METHOD(Bench, peer_send, twinkle::dispatch::all, twinkle::collect::first,
                twinkle::execute::first);
 
 namespace {
@@ -220,6 +239,9 @@ TWINKLE_DRIVER(peer_calls, twinkle::Driver& d) {
   const Value r = caller.call("peer_rtt", target, n).get();
   figure("peer_rtt_p50", r["p50"].as<double>(), "us");
   figure("peer_rtt_p99", r["p99"].as<double>(), "us");
+  const int mib = d.args()["broadcast_mib"].as<int>();
+  const double s = caller.call("peer_send", target, mib, 3).get().as<double>();
+  figure("peer_send", static_cast<double>(mib) * 1048576.0 / s / 1e9, "GB/s");
 }
 
 TWINKLE_PLUGIN("twinkle-bench", "1.0.0");

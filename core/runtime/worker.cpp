@@ -417,6 +417,14 @@ class Worker : public DriverOps {
   void on_serve_ready() {
     while (auto r = serve_->recv(std::chrono::milliseconds(0))) {
       Message& m = r->message;
+      if (!peer_index(r->from)) {
+        // Not a worker of this run (it cannot be one: they all are in the address book).
+        std::fprintf(stderr,
+                     "twinkle worker %s: dropped a %s message from \"%s\", not a worker of "
+                     "this run\n",
+                     name_.c_str(), transport::to_string(m.type), r->from.substr(0, 64).c_str());
+        continue;
+      }
       if (m.type == MsgType::probe) {
         on_probe(m.body);
         continue;
@@ -784,7 +792,7 @@ class Worker : public DriverOps {
     twk_context_v1 ctx = context();
     SinkCapture out;
     out.adopt = [this, from_driver](const twk_value_v1& v) {
-      return from_driver ? link_->adopt(v) : transport::decode_to_shm(v);
+      return from_driver ? link_->adopt(v) : transport::decode_to_shm(v, serve_->pool());
     };
     twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);

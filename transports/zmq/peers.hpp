@@ -50,6 +50,8 @@ class ServeSocket {
   void reply(const std::string& to, const Message& m);
   // How many callers have a shared-memory channel to this worker.
   std::size_t shm_callers() const { return shm_.size(); }
+  // Where large results for callers go (segments come back when the callers let go of them).
+  ShmPool* pool() { return &pool_; }
 
  private:
   // Takes the callers that connected to the descriptor socket (each says its name first).
@@ -60,6 +62,7 @@ class ServeSocket {
   std::string endpoint_;
   std::string listener_path_;  // PATH.fd; empty for TCP
   Fd listener_;
+  ShmPool pool_;                                            // before the channels that use it
   std::map<std::string, std::unique_ptr<ShmChannel>> shm_;  // by caller name
 };
 
@@ -90,8 +93,9 @@ class PeerChannel : public DriverChannel {
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
   std::uint64_t dropped() const override { return dropped_; }
-  // Tensors of kShmThreshold bytes or more go straight into shared memory.
-  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v); }
+  // Tensors of kShmThreshold bytes or more go straight into shared memory, in segments that are
+  // reused once the workers they went to let go of them.
+  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v, &pool_); }
 
  private:
   zmq::socket_t& connection(std::size_t peer);
@@ -104,6 +108,7 @@ class PeerChannel : public DriverChannel {
   std::vector<std::string> endpoints_;
   SocketSecurity security_;
   std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // by peer, made on first send
+  ShmPool pool_;                                         // before the channels that use it
   std::vector<std::unique_ptr<ShmChannel>> shm_;         // by peer, beside its socket
   std::vector<std::size_t> open_;                        // peers with a socket
   std::vector<std::pair<zmq::socket_ref, std::function<void()>>> watched_;
