@@ -48,8 +48,6 @@ class ServeSocket {
   // decode is dropped with a line on stderr (nothing else of the run is affected).
   std::optional<Request> recv(std::chrono::milliseconds timeout);
   void reply(const std::string& to, const Message& m);
-  // How many callers have a shared-memory channel to this worker.
-  std::size_t shm_callers() const { return shm_.size(); }
   // Where large results for callers go (segments come back when the callers let go of them).
   ShmPool* pool() { return &pool_; }
 
@@ -87,6 +85,7 @@ class PeerChannel : public DriverChannel {
   // While next() waits, `tick` runs every `interval`.
   void every(std::chrono::milliseconds interval, std::function<void()> tick);
 
+  // This side has no endpoint of its own (it only connects): the worker's name.
   const std::string& endpoint() const override { return identity_; }
   void send(std::size_t peer, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
