@@ -432,8 +432,7 @@ class JobRun : public DriverOps {
   Value welcome(const WorkerInfo& w) {
     if (!book_) book_ = peers_book();
     const GroupSpec& g = job_.groups.at(w.group);
-    std::size_t self = 0;
-    while (table_->workers()[self].name != w.name) ++self;
+    const std::size_t self = table_->groups()[w.group].peers[static_cast<std::size_t>(w.index)];
     return Value::map({{"job", job_.name},
                        {"groups", (*book_)["groups"]},
                        {"workers", (*book_)["workers"]},

@@ -98,9 +98,46 @@ RouterDriverChannel::RouterDriverChannel(zmq::context_t& context,
     : router_(make_socket(context, zmq::socket_type::router)), identities_(std::move(identities)) {
   router_.set(zmq::sockopt::router_mandatory, 1);
   for (std::size_t i = 0; i < identities_.size(); ++i) by_identity_.emplace(identities_[i], i);
+}
+
+ChannelEvents::ChannelEvents() {
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_)
     throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+}
+
+void ChannelEvents::lost(std::size_t peer, std::string reason) {
+  {
+    std::lock_guard lock(mu_);
+    ChannelEvent e;
+    e.kind = ChannelEvent::Kind::lost;
+    e.peer = peer;
+    e.reason = std::move(reason);
+    pending_.push_back(std::move(e));
+  }
+  wake();
+}
+
+void ChannelEvents::wake() {
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+std::optional<ChannelEvent> ChannelEvents::take() {
+  std::lock_guard lock(mu_);
+  if (pending_.empty()) return std::nullopt;
+  ChannelEvent e = std::move(pending_.front());
+  pending_.pop_front();
+  return e;
+}
+
+ChannelEvent ChannelEvents::signalled() {
+  std::uint64_t n;
+  (void)!::read(wake_.get(), &n, sizeof n);
+  if (auto e = take()) return std::move(*e);
+  ChannelEvent w;
+  w.kind = ChannelEvent::Kind::wake;
+  return w;
 }
 
 RouterDriverChannel::~RouterDriverChannel() = default;
@@ -161,29 +198,10 @@ void RouterDriverChannel::send(std::size_t peer, const Message& m) {
 }
 
 void RouterDriverChannel::lost(std::size_t peer, std::string reason) {
-  {
-    std::lock_guard lock(mu_);
-    ChannelEvent e;
-    e.kind = ChannelEvent::Kind::lost;
-    e.peer = peer;
-    e.reason = std::move(reason);
-    pending_.push_back(std::move(e));
-  }
-  wake();
+  events_.lost(peer, std::move(reason));
 }
 
-void RouterDriverChannel::wake() {
-  const std::uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
-}
-
-std::optional<ChannelEvent> RouterDriverChannel::take_pending() {
-  std::lock_guard lock(mu_);
-  if (pending_.empty()) return std::nullopt;
-  ChannelEvent e = std::move(pending_.front());
-  pending_.pop_front();
-  return e;
-}
+void RouterDriverChannel::wake() { events_.wake(); }
 
 void RouterDriverChannel::drop(const std::string& why) {
   ++dropped_;
@@ -206,7 +224,7 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
   const bool forever = timeout.count() < 0;
   const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
   for (;;) {
-    if (auto e = take_pending()) return e;
+    if (auto e = events_.take()) return e;
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(router_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
       long left = -1;
@@ -216,16 +234,9 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
         if (left <= 0) return std::nullopt;
       }
       zmq::pollitem_t items[2] = {{router_.handle(), 0, ZMQ_POLLIN, 0},
-                                  {nullptr, wake_.get(), ZMQ_POLLIN, 0}};
+                                  {nullptr, events_.fd(), ZMQ_POLLIN, 0}};
       zmq::poll(items, 2, std::chrono::milliseconds(left));
-      if (items[1].revents & ZMQ_POLLIN) {
-        std::uint64_t n;
-        (void)!::read(wake_.get(), &n, sizeof n);
-        if (auto e = take_pending()) return e;
-        ChannelEvent w;
-        w.kind = ChannelEvent::Kind::wake;
-        return w;
-      }
+      if (items[1].revents & ZMQ_POLLIN) return events_.signalled();
       continue;
     }
     if (frames.empty()) continue;

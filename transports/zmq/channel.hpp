@@ -38,6 +38,25 @@ struct ChannelEvent {
   std::string reason;    // lost: how the peer was lost ("exited with code 3; ...")
 };
 
+// A channel's lost and wake events: queued from any thread, signalled through an eventfd that the
+// channel's next() polls beside its sockets.
+class ChannelEvents {
+ public:
+  ChannelEvents();  // throws TransportError when no eventfd can be made
+  void lost(std::size_t peer, std::string reason);
+  void wake();
+  // A queued lost event, if any.
+  std::optional<ChannelEvent> take();
+  int fd() const { return wake_.get(); }
+  // After fd() polled readable: clears it and returns the queued event, or a wake event.
+  ChannelEvent signalled();
+
+ private:
+  Fd wake_;  // eventfd
+  std::mutex mu_;
+  std::deque<ChannelEvent> pending_;
+};
+
 // The driver's end of the channels to every worker of a run. Peers are numbered 0..n-1 and known
 // by identities fixed before they connect; a message from any other identity, or one that does not
 // decode, is dropped and counted (logged at most once a second), never fatal.
@@ -102,12 +121,9 @@ class RouterDriverChannel : public DriverChannel {
 
  private:
   void drop(const std::string& why);
-  std::optional<ChannelEvent> take_pending();
 
   std::unordered_map<std::string, std::size_t> by_identity_;
-  Fd wake_;  // eventfd
-  std::mutex mu_;
-  std::deque<ChannelEvent> pending_;  // lost and wake events
+  ChannelEvents events_;
   std::uint64_t dropped_ = 0;
   std::uint64_t dropped_unlogged_ = 0;
   std::chrono::steady_clock::time_point last_drop_log_{};

@@ -1,7 +1,6 @@
 #include "transports/zmq/peers.hpp"
 
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -137,11 +136,7 @@ PeerChannel::PeerChannel(zmq::context_t& context, std::string identity,
       endpoints_(std::move(endpoints)),
       security_(std::move(security)),
       sockets_(endpoints_.size()),
-      shm_(endpoints_.size()) {
-  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_)
-    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
-}
+      shm_(endpoints_.size()) {}
 
 PeerChannel::~PeerChannel() = default;
 
@@ -196,18 +191,10 @@ void PeerChannel::send(std::size_t peer, const Message& m) {
 }
 
 void PeerChannel::lost(std::size_t peer, std::string reason) {
-  ChannelEvent e;
-  e.kind = ChannelEvent::Kind::lost;
-  e.peer = peer;
-  e.reason = std::move(reason);
-  pending_.push_back(std::move(e));
-  wake();
+  events_.lost(peer, std::move(reason));
 }
 
-void PeerChannel::wake() {
-  const std::uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
-}
+void PeerChannel::wake() { events_.wake(); }
 
 std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout) {
   const bool forever = timeout.count() < 0;
@@ -219,11 +206,7 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
       tick_();
       next_tick = Clock::now() + tick_interval_;
     }
-    if (!pending_.empty()) {
-      ChannelEvent e = std::move(pending_.front());
-      pending_.pop_front();
-      return e;
-    }
+    if (auto e = events_.take()) return e;
     // Replies first: every connection that has one.
     for (std::size_t peer : open_) {
       try {
@@ -256,17 +239,9 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
     items.clear();
     for (std::size_t peer : open_) items.push_back({sockets_[peer]->handle(), 0, ZMQ_POLLIN, 0});
     for (auto& [socket, _] : watched_) items.push_back({socket.handle(), 0, ZMQ_POLLIN, 0});
-    items.push_back({nullptr, wake_.get(), ZMQ_POLLIN, 0});
+    items.push_back({nullptr, events_.fd(), ZMQ_POLLIN, 0});
     zmq::poll(items.data(), items.size(), std::chrono::milliseconds(left));
-    if (items.back().revents & ZMQ_POLLIN) {
-      std::uint64_t n;
-      (void)!::read(wake_.get(), &n, sizeof n);
-      if (pending_.empty()) {
-        ChannelEvent w;
-        w.kind = ChannelEvent::Kind::wake;
-        return w;
-      }
-    }
+    if (items.back().revents & ZMQ_POLLIN) return events_.signalled();
     // The watched sockets' handlers run here; they may queue events (a lost worker) or answer
     // requests themselves.
     for (std::size_t i = 0; i < watched_.size(); ++i) {

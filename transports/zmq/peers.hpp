@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -113,8 +112,7 @@ class PeerChannel : public DriverChannel {
   std::vector<std::pair<zmq::socket_ref, std::function<void()>>> watched_;
   std::chrono::milliseconds tick_interval_{0};
   std::function<void()> tick_;
-  std::deque<ChannelEvent> pending_;  // lost and wake events
-  Fd wake_;
+  ChannelEvents events_;
   std::uint64_t dropped_ = 0;
 };
 
