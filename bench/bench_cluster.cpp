@@ -25,7 +25,7 @@ namespace {
 
 using namespace twinkle::bench;
 using twinkle::Value;
-using twinkle::transport::Message;
+using Message = twinkle::transport::ClusterMessage;
 using twinkle::transport::MsgType;
 
 // A child process with its output in `log`, killed when this object goes.
@@ -93,24 +93,22 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
   ctx.set(zmq::ctxopt::max_sockets, nodes + 64);
   std::vector<zmq::socket_t> agents;
   auto reg = [](int i) {
-    return Value::map({{"node", fmt::format("sim{}", i)},
-                       {"host", fmt::format("sim{}", i)},
-                       {"address", "127.0.0.1"},
-                       {"cpus", 64},
-                       {"memory", static_cast<std::int64_t>(1) << 38},
-                       {"gpus", Value::list()},
-                       {"labels", Value::map()},
-                       {"jobs", Value::list()}});
+    twinkle::transport::proto::NodeRegister r;
+    r.node = r.host = fmt::format("sim{}", i);
+    r.address = "127.0.0.1";
+    r.cpus = 64;
+    r.memory = static_cast<std::int64_t>(1) << 38;
+    return r;
   };
   for (int i = 0; i < nodes; ++i) {
     agents.emplace_back(ctx, zmq::socket_type::dealer);
     agents.back().set(zmq::sockopt::routing_id, fmt::format("agent/sim{}", i));
     agents.back().set(zmq::sockopt::linger, 0);
     agents.back().connect(address);
-    twinkle::transport::send_message(agents.back(), Message{MsgType::node_register, 0, reg(i)});
+    twinkle::transport::send_message(agents.back(), Message{0, reg(i)});
   }
   for (auto& a : agents) {
-    if (!twinkle::transport::recv_message(a, 10000)) throw std::runtime_error("no welcome");
+    if (!twinkle::transport::recv_frames(a, 10000)) throw std::runtime_error("no welcome");
   }
   std::atomic<bool> stop{false};
   // Heartbeats of every node every 0.5 s, from one thread (the sockets are only used there).
@@ -119,8 +117,7 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
       const auto t0 = Clock::now();
       for (int i = 0; i < nodes; ++i) {
         twinkle::transport::send_message(
-            agents[i],
-            Message{MsgType::heartbeat, 0, Value::map({{"node", fmt::format("sim{}", i)}})});
+            agents[i], Message{0, twinkle::transport::proto::Heartbeat{fmt::format("sim{}", i)}});
         zmq::message_t drop;
         while (agents[i].recv(drop, zmq::recv_flags::dontwait)) {
         }
@@ -135,25 +132,17 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
   out.cpu_percent = (cpu_seconds(head.pid) - c0) / window * 100.0;
 
   twinkle::core::cluster::HeadLink link(address, {}, "driver/bench");
-  Value groups = Value::list();
-  groups.push_back(Value::map({{"name", "g"},
-                               {"workers", 8},
-                               {"gpus_per_worker", 0},
-                               {"strategy", "pack"},
-                               {"labels", Value::map()}}));
+  const std::vector<twinkle::transport::proto::GroupDemandEntry> groups{{"g", 8, 0, "pack", {}}};
   const int n = quick ? 200 : 1000;
   const auto t0 = Clock::now();
   for (int i = 0; i < n; ++i) {
     const std::string run = fmt::format("r{}", i);
-    Message r = link.request(Message{MsgType::reserve, static_cast<std::uint64_t>(i + 1),
-                                     Value::map({{"run", run},
-                                                 {"job", "bench"},
-                                                 {"owner", "bench"},
-                                                 {"dry_run", false},
-                                                 {"groups", groups}})},
-                             MsgType::reservation, std::chrono::seconds(10));
-    if (!r.body["ok"].as<bool>()) throw std::runtime_error("reservation refused");
-    link.send(Message{MsgType::release, 0, Value::map({{"run", run}})});
+    const auto r = link.request<twinkle::transport::proto::Reservation>(
+        Message{static_cast<std::uint64_t>(i + 1),
+                twinkle::transport::proto::Reserve{run, "bench", "bench", false, groups}},
+        std::chrono::seconds(10));
+    if (!r.ok) throw std::runtime_error("reservation refused");
+    link.send(Message{0, twinkle::transport::proto::Release{run}});
   }
   out.placements_s = n / std::chrono::duration<double>(Clock::now() - t0).count();
   stop = true;

@@ -27,11 +27,15 @@ inline double percentile(std::vector<double> v, double p) {
 }
 
 // A DEALER process connected to a ROUTER of this process: it answers every message (with the
-// message itself, or with "ack" when `ack_only`) until it gets "stop".
+// message itself, with "ack" when `ack_only`, or with `reply_size` bytes when that is not 0) until
+// it gets "stop". No high-water marks on either side, as on Twinkle's channels.
 class EchoPeer {
  public:
-  EchoPeer(bool tcp, bool ack_only) : router_(ctx_, zmq::socket_type::router) {
+  EchoPeer(bool tcp, bool ack_only, std::size_t reply_size = 0)
+      : router_(ctx_, zmq::socket_type::router) {
     path_ = fmt::format("/tmp/twinkle-bench-{}.ipc", getpid());
+    router_.set(zmq::sockopt::sndhwm, 0);
+    router_.set(zmq::sockopt::rcvhwm, 0);
     router_.bind(tcp ? std::string("tcp://127.0.0.1:*") : "ipc://" + path_);
     if (tcp) path_.clear();
     const std::string endpoint = router_.get(zmq::sockopt::last_endpoint);
@@ -39,13 +43,18 @@ class EchoPeer {
     if (child_ == 0) {
       zmq::context_t cctx;
       zmq::socket_t dealer(cctx, zmq::socket_type::dealer);
+      dealer.set(zmq::sockopt::sndhwm, 0);
+      dealer.set(zmq::sockopt::rcvhwm, 0);
       dealer.connect(endpoint);
       dealer.send(zmq::str_buffer("hello"));
+      const std::string reply(reply_size, 'r');
       for (;;) {
         zmq::message_t m;
         if (!dealer.recv(m)) continue;
         if (m.size() == 4 && std::memcmp(m.data(), "stop", 4) == 0) break;
-        if (ack_only) {
+        if (reply_size > 0) {
+          dealer.send(zmq::buffer(reply), zmq::send_flags::none);
+        } else if (ack_only) {
           dealer.send(zmq::str_buffer("ack"));
         } else {
           dealer.send(m, zmq::send_flags::none);
@@ -71,6 +80,22 @@ class EchoPeer {
     (void)router_.recv(rid);
     (void)router_.recv(reply);
   }
+  // Sends `n` messages of `size` bytes without waiting, then takes the `n` answers (as pipelined
+  // calls do): round trips per second.
+  double pipelined(std::size_t size, int n) {
+    const std::string request(size, 'q');
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) {
+      router_.send(zmq::buffer(id_.to_string()), zmq::send_flags::sndmore);
+      router_.send(zmq::buffer(request), zmq::send_flags::none);
+    }
+    for (int i = 0; i < n; ++i) {
+      zmq::message_t rid, reply;
+      (void)router_.recv(rid);
+      (void)router_.recv(reply);
+    }
+    return n / std::chrono::duration<double>(Clock::now() - t0).count();
+  }
 
  private:
   zmq::context_t ctx_;
@@ -93,6 +118,15 @@ inline std::pair<double, double> zmq_rtt(int n, bool tcp = false) {
       rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
   return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
+}
+
+// The raw reference of pipelined calls: `n` messages of `request` bytes sent at once to an echo
+// process over ipc, each answered with `reply` bytes; round trips per second, best of 3.
+inline double zmq_pipelined(std::size_t request, std::size_t reply, int n) {
+  EchoPeer peer(false, false, reply);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) best = std::max(best, peer.pipelined(request, n));
+  return best;
 }
 
 // One way: `bytes` in one message to a process over TCP on loopback, which acknowledges it;

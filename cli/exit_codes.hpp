@@ -5,7 +5,7 @@
 #include "twinkle/errors.hpp"
 #include "twinkle/value.hpp"
 
-// The exit codes of `twinkle` (DESIGN.md section 1), chosen here and nowhere else.
+// The exit codes of `twinkle` (docs/ARCHITECTURE.md, Exit codes), chosen here and nowhere else.
 namespace twinkle::cli {
 
 inline constexpr int kExitOk = 0;

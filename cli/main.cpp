@@ -5,7 +5,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/exit_codes.hpp"
-#include "transports/zmq/message.hpp"
+#include "transports/zmq/protocol.hpp"
 #include "twinkle/plugin.h"
 #include "twinkle_config.h"
 

@@ -46,10 +46,9 @@ nlohmann::json to_json(const Value& v) {
 int run_cluster_nodes(const NodesOptions& o, const std::string& address) {
   core::cluster::HeadLink link(address, core::cluster::member_security(o.cluster.keys, address),
                                fmt::format("nodes/{}", getpid()));
-  const Value info =
-      link.request(core::cluster::Message{core::cluster::MsgType::nodes_query, 1, Value()},
-                   core::cluster::MsgType::nodes_info, std::chrono::seconds(10))
-          .body;
+  const auto nodes = link.request<transport::proto::NodesInfo>(
+      core::cluster::Message{1, transport::proto::NodesQuery{}}, std::chrono::seconds(10));
+  const Value info = transport::proto::to_value(nodes);
   if (o.json) {
     nlohmann::json j = to_json(info);
     j["mode"] = "remote";

@@ -44,7 +44,7 @@ struct Job {
   std::int64_t since = 0;
   std::vector<int> gpus;
   int cpus = 0;
-  Value launch;  // the launch request, kept until its plugin is here
+  proto::Launch launch;  // the launch request, kept until its plugin is here
   std::unique_ptr<Spawner> spawner;
   std::thread stopper;
   std::atomic<bool> done{false};
@@ -99,77 +99,72 @@ struct Agent::State {
   std::unique_ptr<HeadLink> link;
   std::mutex mu;  // guards jobs
   std::map<std::string, std::unique_ptr<Job>> jobs;
+  transport::DropLog drops{"the agent's link to the head",
+                           [this](const std::string& l) { log(l); }};
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
   }
 
-  Value registration() {
-    Value gpus = Value::list();
+  proto::NodeRegister registration() {
+    proto::NodeRegister r;
+    r.node = o.node_id;
+    r.host = host;
+    r.address = o.node_ip;
+    r.cpus = resources.cpus;
+    r.memory = static_cast<std::int64_t>(resources.memory_bytes);
     for (const auto& g : resources.gpus) {
-      gpus.push_back(Value::map({{"index", g.index},
-                                 {"name", g.name},
-                                 {"memory", static_cast<std::int64_t>(g.memory_bytes)},
-                                 {"uuid", g.uuid}}));
+      r.gpus.push_back(
+          proto::GpuEntry{g.index, g.name, static_cast<std::int64_t>(g.memory_bytes), g.uuid, ""});
     }
-    Value list = Value::list();
+    r.labels = o.labels;
     std::lock_guard lock(mu);
     for (const auto& [run, j] : jobs) {
       if (j->done) continue;
-      list.push_back(Value::map({{"run", run},
-                                 {"job", j->job},
-                                 {"owner", j->owner},
-                                 {"since", j->since},
-                                 {"gpus", Value(j->gpus)},
-                                 {"cpus", j->cpus}}));
+      r.jobs.push_back(proto::NodeJob{run, j->job, j->owner, j->since, j->gpus, j->cpus});
     }
-    return Value::map({{"node", o.node_id},
-                       {"host", host},
-                       {"address", o.node_ip},
-                       {"cpus", resources.cpus},
-                       {"memory", static_cast<std::int64_t>(resources.memory_bytes)},
-                       {"gpus", gpus},
-                       {"labels", labels_to_value(o.labels)},
-                       {"jobs", list}});
+    return r;
   }
 
-  void post(MsgType t, Value body) { link->post(Message{t, 0, std::move(body)}); }
+  template <class Body>
+  void post(Body body) {
+    link->post(Message{0, std::move(body)});
+  }
 
   void fail_launch(const std::string& run, const std::string& error) {
     log(fmt::format("run {}: cannot start its workers: {}", run, error));
-    post(MsgType::launched,
-         Value::map({{"run", run}, {"node", o.node_id}, {"ok", false}, {"error", error}}));
+    post(proto::Launched{run, o.node_id, error});
   }
 
   std::filesystem::path cached(const std::string& sha) const { return o.cache_dir / (sha + ".so"); }
 
-  void on_launch(Message& m) {
-    const std::string run = m.body["run"].as<std::string>();
+  void on_launch(proto::Launch& m) {
+    const std::string run = m.run;
     std::lock_guard lock(mu);
     if (jobs.count(run)) return fail_launch(run, "this node already runs workers of that run");
     auto j = std::make_unique<Job>();
     j->run = run;
-    j->job = m.body["job"].as<std::string>();
-    j->owner = m.body["owner"].as<std::string>();
+    j->job = m.job;
+    j->owner = m.owner;
     j->since = unix_now();
-    j->gpus = m.body["gpus"].as<std::vector<int>>();
-    j->cpus = m.body["cpus"].as<int>();
-    j->launch = std::move(m.body);
-    const std::string sha = j->launch["sha256"].as<std::string>();
+    j->gpus = m.gpus;
+    j->cpus = m.cpus;
+    j->launch = std::move(m);
+    const std::string sha = j->launch.sha256;
     Job& job = *j;
     jobs.emplace(run, std::move(j));
     std::error_code ec;
     if (std::filesystem::exists(cached(sha), ec)) {
       spawn(job);
     } else {
-      post(MsgType::need_plugin, Value::map({{"run", run}, {"node", o.node_id}, {"sha256", sha}}));
+      post(proto::NeedPlugin{run, o.node_id, sha});
     }
   }
 
-  void on_plugin(Message& m) {
-    const std::string run = m.body["run"].as<std::string>();
-    const std::string sha = m.body["sha256"].as<std::string>();
-    const Tensor& bytes = m.body["bytes"].tensor();
+  void on_plugin(const proto::PluginBytes& m) {
+    const std::string& run = m.run;
+    const std::string& sha = m.sha256;
+    const Tensor& bytes = m.bytes;
     std::lock_guard lock(mu);
     auto it = jobs.find(run);
     if (it == jobs.end()) return;
@@ -198,8 +193,8 @@ struct Agent::State {
 
   // Starts the workers of `j` (mu held).
   void spawn(Job& j) {
-    const Value& l = j.launch;
-    const std::string sha = l["sha256"].as<std::string>();
+    const proto::Launch& l = j.launch;
+    const std::string sha = l.sha256;
     const auto plugin = cached(sha);
     // Verified before any worker loads it: a cache file changed on disk is not run.
     try {
@@ -216,31 +211,21 @@ struct Agent::State {
     const std::string run = j.run;
     SpawnerOptions so;
     so.on_line = [this, run](const std::string& name, bool is_stderr, const std::string& line) {
-      post(MsgType::output, Value::map({{"run", run},
-                                        {"name", name},
-                                        {"stream", is_stderr ? "stderr" : "stdout"},
-                                        {"line", line}}));
+      post(proto::Output{run, name, is_stderr, line});
     };
     try {
       j.spawner = std::make_unique<Spawner>(so, [this, run](const ProcessExit& e) {
         log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, e.describe()));
-        Value tail = Value::list();
-        for (const auto& line : e.last_stderr) tail.push_back(line);
-        post(MsgType::worker_exit, Value::map({{"run", run},
-                                               {"node", o.node_id},
-                                               {"name", e.name},
-                                               {"pid", static_cast<int>(e.pid)},
-                                               {"exit_code", e.exit_code},
-                                               {"signal", e.signal},
-                                               {"text", e.describe()},
-                                               {"stderr", tail}}));
+        post(proto::WorkerExit{
+            run, o.node_id, e.name, static_cast<int>(e.pid), e.exit_code, e.signal, e.describe(),
+            std::vector<std::string>(e.last_stderr.begin(), e.last_stderr.end())});
       });
       // The agent's environment, with the driver's variables for the worker on top.
       std::vector<std::string> base;
       for (char** e = environ; *e; ++e) base.emplace_back(*e);
-      for (const auto& w : l["workers"]) {
+      for (const auto& w : l.workers) {
         std::vector<std::string> env;
-        const auto wenv = w["env"].as<std::vector<std::string>>();
+        const auto& wenv = w.env;
         for (const auto& b : base) {
           const std::string key = b.substr(0, b.find('='));
           const bool overridden = std::any_of(wenv.begin(), wenv.end(), [&](const std::string& x) {
@@ -252,15 +237,15 @@ struct Agent::State {
         env.push_back(fmt::format("TWINKLE_PARENT_PID={}", getpid()));
         env.push_back("TWINKLE_NODE_IP=" + o.node_ip);
         env.push_back("TWINKLE_NODE_ID=" + o.node_id);
-        if (l.contains("keys")) {
-          env.push_back("TWINKLE_CURVE_PUBLIC=" + l["keys"]["public"].as<std::string>());
-          env.push_back("TWINKLE_CURVE_SECRET=" + l["keys"]["secret"].as<std::string>());
-          env.push_back("TWINKLE_CURVE_SERVER=" + l["keys"]["server"].as<std::string>());
+        if (l.keys) {
+          env.push_back("TWINKLE_CURVE_PUBLIC=" + l.keys->public_key);
+          env.push_back("TWINKLE_CURVE_SECRET=" + l.keys->secret_key);
+          env.push_back("TWINKLE_CURVE_SERVER=" + l.keys->server_key);
         }
         ProcessSpec spec;
-        spec.name = w["name"].as<std::string>();
-        spec.argv = {o.exe.string(), "worker",       "--endpoint", l["endpoint"].as<std::string>(),
-                     "--plugin",     plugin.string()};
+        spec.name = w.name;
+        spec.argv = {o.exe.string(), "worker",   "--endpoint",
+                     l.endpoint,     "--plugin", plugin.string()};
         spec.env = std::move(env);
         j.spawner->spawn(std::move(spec));
       }
@@ -269,9 +254,9 @@ struct Agent::State {
       return fail_launch(j.run, e.what());
     }
     log(fmt::format("run {} (job {}, owner {}): started {} worker(s)", j.run, j.job, j.owner,
-                    l["workers"].list_items().size()));
-    j.launch = Value();
-    post(MsgType::launched, Value::map({{"run", j.run}, {"node", o.node_id}, {"ok", true}}));
+                    l.workers.size()));
+    j.launch = proto::Launch{};
+    post(proto::Launched{j.run, o.node_id, std::nullopt});
   }
 
   // Stops a run's workers on a thread of their own (the heartbeats go on meanwhile).
@@ -280,8 +265,7 @@ struct Agent::State {
     auto it = jobs.find(run);
     if (it == jobs.end()) {
       // Nothing of it runs here (its launch failed, or it was stopped already): say so at once.
-      post(MsgType::stopped,
-           Value::map({{"run", run}, {"node", o.node_id}, {"signalled", Value::list()}}));
+      post(proto::Stopped{run, o.node_id, {}});
       return;
     }
     if (it->second->stopper.joinable()) return;
@@ -290,10 +274,7 @@ struct Agent::State {
     j->stopper = std::thread([this, j, grace] {
       std::vector<std::string> signalled;
       if (j->spawner) signalled = j->spawner->stop(grace);
-      Value names = Value::list();
-      for (auto& n : signalled) names.push_back(n);
-      post(MsgType::stopped,
-           Value::map({{"run", j->run}, {"node", o.node_id}, {"signalled", names}}));
+      post(proto::Stopped{j->run, o.node_id, std::move(signalled)});
       j->done = true;
     });
   }
@@ -318,35 +299,24 @@ struct Agent::State {
   }
 
   void handle(Message& m) {
-    try {
-      switch (m.type) {
-        case MsgType::launch: on_launch(m); break;
-        case MsgType::plugin: on_plugin(m); break;
-        case MsgType::stop_job:
-          stop_job(m.body["run"].as<std::string>(),
-                   std::chrono::milliseconds(m.body["grace_ms"].as<std::int64_t>()),
-                   "its driver asked");
-          break;
-        case MsgType::kill_job:
-          stop_job(m.body["run"].as<std::string>(), std::chrono::milliseconds(0),
-                   "the head says its driver is gone");
-          break;
-        case MsgType::reregister:
-          log(
-              fmt::format("the head at {} does not know this node (it restarted, or declared the "
-                          "node dead); registering again",
-                          o.address));
-          post(MsgType::node_register, registration());
-          break;
-        case MsgType::node_welcome:
-          if (!m.body["ok"].as<bool>())
-            log("the head refused this node: " + m.body["error"].as<std::string>());
-          break;
-        default: break;
-      }
-    } catch (const std::exception& e) {
-      log(fmt::format("dropped a malformed {} message: {}", transport::to_string(m.type),
-                      e.what()));
+    if (auto* launch = m.get<proto::Launch>()) {
+      on_launch(*launch);
+    } else if (auto* plugin = m.get<proto::PluginBytes>()) {
+      on_plugin(*plugin);
+    } else if (auto* stop = m.get<proto::StopJob>()) {
+      stop_job(stop->run, std::chrono::milliseconds(stop->grace_ms), "its driver asked");
+    } else if (auto* kill = m.get<proto::KillJob>()) {
+      stop_job(kill->run, std::chrono::milliseconds(0), "the head says its driver is gone");
+    } else if (m.get<proto::Reregister>()) {
+      log(
+          fmt::format("the head at {} does not know this node (it restarted, or declared the "
+                      "node dead); registering again",
+                      o.address));
+      post(registration());
+    } else if (auto* welcome = m.get<proto::NodeWelcome>()) {
+      if (welcome->error) log("the head refused this node: " + *welcome->error);
+    } else {
+      drops.drop(fmt::format("a {} message is not for an agent", transport::to_string(m.type())));
     }
   }
 };
@@ -369,17 +339,15 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
   if (s.o.node_id.empty()) s.o.node_id = s.host;
   if (s.o.node_ip.empty()) s.o.node_ip = route_source_address(endpoint_host(s.o.address));
   s.link = std::make_unique<HeadLink>(s.o.address, s.o.security, "agent/" + s.o.node_id);
-  Message welcome = s.link->request(Message{MsgType::node_register, 0, s.registration()},
-                                    MsgType::node_welcome, std::chrono::seconds(10));
-  if (!welcome.body["ok"].as<bool>()) {
-    throw ConfigError("the head refused this node: " + welcome.body["error"].as<std::string>());
-  }
+  const auto welcome =
+      s.link->request<proto::NodeWelcome>(Message{0, s.registration()}, std::chrono::seconds(10));
+  if (welcome.error) throw ConfigError("the head refused this node: " + *welcome.error);
   s.log(fmt::format("node {} joined the cluster at {} (address {}, {} CPUs, {} GPUs)", s.o.node_id,
                     s.o.address, s.o.node_ip, s.resources.cpus, s.resources.gpus.size()));
   s.link->start([&s](Message& m) { s.handle(m); },
                 [&s]() -> std::optional<Message> {
                   s.reap();
-                  return Message{MsgType::heartbeat, 0, Value::map({{"node", s.o.node_id}})};
+                  return Message{0, proto::Heartbeat{s.o.node_id}};
                 });
 }
 
@@ -392,8 +360,7 @@ Agent::~Agent() {
     }
   }
   // Said at once, so that drivers do not wait for the heartbeats to stop.
-  s.link->post(Message{MsgType::node_leave, 0,
-                       Value::map({{"node", s.o.node_id}, {"reason", "its agent was stopped"}})});
+  s.link->post(Message{0, proto::NodeLeave{s.o.node_id, "its agent was stopped"}});
   s.link->stop(std::chrono::milliseconds(500));
   std::lock_guard lock(s.mu);
   for (auto& [run, j] : s.jobs) {

@@ -10,10 +10,10 @@
 
 #include "transports/zmq/auth.hpp"
 
-// A node agent (DESIGN.md section 10): registers this machine with the head, heartbeats, starts
-// and stops a run's workers when its driver asks (with the same process spawner as local mode),
-// relays their output lines and exits to the driver, keeps plugins by sha256 (no shared file
-// system needed), and stops a run's workers when the head says its driver is gone.
+// A node agent (docs/ARCHITECTURE.md, Remote mode): registers this machine with the head,
+// heartbeats, starts and stops a run's workers when its driver asks (with the same process spawner
+// as local mode), relays their output lines and exits to the driver, keeps plugins by sha256 (no
+// shared file system needed), and stops a run's workers when the head says its driver is gone.
 namespace twinkle::core::cluster {
 
 struct AgentOptions {

@@ -24,8 +24,9 @@ namespace twinkle::core::cluster {
 
 namespace {
 
-using transport::Message;
 using transport::MsgType;
+using Message = transport::ClusterMessage;
+namespace proto = transport::proto;
 using Clock = std::chrono::steady_clock;
 
 // A node silent this long is DEAD; so is a run whose driver stops renewing its lease.
@@ -46,7 +47,7 @@ struct Node {
   std::string id, identity, host, address;
   int cpus = 0;
   std::int64_t memory = 0;
-  Value gpus = Value::list();  // [{index, name, memory, uuid}]
+  std::vector<proto::GpuEntry> gpus;
   std::map<std::string, std::string> labels;
   bool alive = true;
   Clock::time_point last_seen = Clock::now();
@@ -81,6 +82,7 @@ struct Head::State {
   std::map<std::string, Node> nodes;
   std::vector<std::string> order;  // node ids in the order they first registered
   std::map<std::string, Run> runs;
+  transport::DropLog drops{"the head's socket", [this](const std::string& line) { log(line); }};
 
   void log(const std::string& line) const {
     if (options.log) options.log(line);
@@ -113,7 +115,7 @@ struct Head::State {
       c.id = id;
       c.cpus = n.cpus;
       c.labels = n.labels;
-      for (const auto& g : n.gpus) c.gpus.push_back(g["index"].as<int>());
+      for (const auto& g : n.gpus) c.gpus.push_back(g.index);
       if (free) {
         for (const auto& [rid, r] : runs) {
           for (const auto& b : r.bundles) {
@@ -148,18 +150,15 @@ struct Head::State {
 
   // ----- messages -----------------------------------------------------------------------------
 
-  void on_register(const std::string& from, Message& m) {
-    const Value& b = m.body;
-    const std::string id = b["node"].as<std::string>();
+  void on_register(const std::string& from, proto::NodeRegister& b) {
+    const std::string id = b.node;
     auto it = nodes.find(id);
     if (it != nodes.end() && it->second.alive && it->second.identity != from &&
         seconds_since(it->second.last_seen) < 1.0) {
-      send(from,
-           Message{MsgType::node_welcome, 0,
-                   Value::map({{"ok", false},
-                               {"error", fmt::format("node id \"{}\" is taken by a live node at "
-                                                     "{}; give this one another --node-id",
-                                                     id, it->second.address)}})});
+      send(from, Message{0, proto::NodeWelcome{fmt::format("node id \"{}\" is taken by a live "
+                                                           "node at {}; give this one another "
+                                                           "--node-id",
+                                                           id, it->second.address)}});
       log(fmt::format("refused a second node \"{}\" (the first is at {})", id, it->second.address));
       return;
     }
@@ -168,74 +167,69 @@ struct Head::State {
     if (!known) order.push_back(id);
     n.id = id;
     n.identity = from;
-    n.host = b["host"].as<std::string>();
-    n.address = b["address"].as<std::string>();
-    n.cpus = b["cpus"].as<int>();
-    n.memory = b["memory"].as<std::int64_t>();
-    n.gpus = b["gpus"];
-    n.labels = labels_from_value(b["labels"]);
+    n.host = std::move(b.host);
+    n.address = std::move(b.address);
+    n.cpus = b.cpus;
+    n.memory = b.memory;
+    n.gpus = std::move(b.gpus);
+    n.labels = std::move(b.labels);
     n.alive = true;
     n.last_seen = Clock::now();
     n.registered = unix_now();
     // The jobs it still runs: a restarted head adopts them; those released meanwhile (the node
     // was cut off and declared dead) are stopped.
     std::vector<std::string> adopted;
-    for (const auto& j : b["jobs"]) {
-      const std::string run = j["run"].as<std::string>();
-      Bundle bundle{id, j["gpus"].as<std::vector<int>>(), j["cpus"].as<int>()};
-      auto r = runs.find(run);
+    for (auto& j : b.jobs) {
+      Bundle bundle{id, j.gpus, j.cpus};
+      auto r = runs.find(j.run);
       if (r == runs.end()) {
-        Run& nr = runs[run];
-        nr.id = run;
-        nr.job = j["job"].as<std::string>();
-        nr.owner = j["owner"].as<std::string>();
-        nr.since = j["since"].as<std::int64_t>();
+        Run& nr = runs[j.run];
+        nr.id = j.run;
+        nr.job = j.job;
+        nr.owner = j.owner;
+        nr.since = j.since;
         nr.adopted = true;
         nr.bundles.push_back(std::move(bundle));
-        adopted.push_back(run);
+        adopted.push_back(j.run);
       } else if (std::none_of(r->second.bundles.begin(), r->second.bundles.end(),
                               [&](const Bundle& x) { return x.node == id; })) {
         if (r->second.adopted) {
           r->second.bundles.push_back(std::move(bundle));  // another node of an adopted run
         } else {
-          send(from, Message{MsgType::kill_job, 0, Value::map({{"run", run}})});
+          send(from, Message{0, proto::KillJob{j.run}});
           log(
               fmt::format("node {} still ran run {}, whose part there was released; told it to "
                           "stop",
-                          id, run));
+                          id, j.run));
         }
       }
     }
-    send(from, Message{MsgType::node_welcome, 0, Value::map({{"ok", true}})});
+    send(from, Message{0, proto::NodeWelcome{}});
     log(fmt::format(
         "node {} {} (host {}, address {}, {} CPUs, {} GPUs){}", id,
         known ? "registered again" : "registered", n.host, n.address, n.cpus, n.gpus.size(),
         adopted.empty() ? "" : fmt::format("; adopted run(s) {}", fmt::join(adopted, ", "))));
   }
 
-  void on_reserve(const std::string& from, Message& m) {
-    const Value& b = m.body;
-    const std::string run = b["run"].as<std::string>();
-    const bool dry_run = b.contains("dry_run") && b["dry_run"].as<bool>();
+  void on_reserve(const std::string& from, std::uint64_t request, const proto::Reserve& b) {
+    const std::string& run = b.run;
     std::vector<GroupDemand> demands;
-    for (const auto& g : b["groups"]) {
+    for (const auto& g : b.groups) {
       GroupDemand d;
-      d.name = g["name"].as<std::string>();
-      d.workers = g["workers"].as<int>();
-      d.gpus_per_worker = g["gpus_per_worker"].as<int>();
-      auto s = placement_strategy(g["strategy"].as<std::string>());
-      d.strategy = s.value_or(PlacementStrategy::pack);
-      d.labels = labels_from_value(g["labels"]);
+      d.name = g.name;
+      d.workers = g.workers;
+      d.gpus_per_worker = g.gpus_per_worker;
+      d.strategy = placement_strategy(g.strategy).value_or(PlacementStrategy::pack);
+      d.labels = g.labels;
       demands.push_back(std::move(d));
     }
-    auto reply = [&](Value body) {
-      send(from, Message{MsgType::reservation, m.id, std::move(body)});
-    };
+    auto reply = [&](proto::Reservation r) { send(from, Message{request, std::move(r)}); };
     std::string why;
     if (!schedule(capacity(false), demands, &why)) {
-      reply(Value::map({{"ok", false},
-                        {"kind", "infeasible"},
-                        {"message", fmt::format("{}; {}", why, cluster_text())}}));
+      proto::Reservation r;
+      r.kind = "infeasible";
+      r.message = fmt::format("{}; {}", why, cluster_text());
+      reply(std::move(r));
       return;
     }
     auto slots = schedule(capacity(true), demands, &why);
@@ -246,46 +240,48 @@ struct Head::State {
         holders.push_back(
             fmt::format("job {} (run {}, owner {}, since {})", r.job, rid, r.owner, r.since));
       }
-      reply(
-          Value::map({{"ok", false},
-                      {"kind", "busy"},
-                      {"message", why},
-                      {"holders", holders.empty() ? std::string("nobody")
-                                                  : fmt::format("{}", fmt::join(holders, "; "))}}));
+      proto::Reservation r;
+      r.kind = "busy";
+      r.message = why;
+      r.holders =
+          holders.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(holders, "; "));
+      reply(std::move(r));
       return;
     }
-    Value groups = Value::list();
-    Value where = Value::map();
+    proto::Reservation r;
+    r.ok = true;
     std::map<std::string, Bundle> per_node;
     for (const auto& g : *slots) {
-      Value list = Value::list();
-      for (const auto& s : g) {
-        list.push_back(Value::map({{"node", s.node}, {"gpus", Value(s.gpus)}}));
-        Bundle& bu = per_node[s.node];
-        bu.node = s.node;
+      std::vector<proto::SlotEntry> list;
+      for (const auto& sl : g) {
+        list.push_back(proto::SlotEntry{sl.node, sl.gpus});
+        Bundle& bu = per_node[sl.node];
+        if (bu.node.empty()) {
+          const Node& n = nodes.at(sl.node);
+          r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
+        }
+        bu.node = sl.node;
         bu.cpus += 1;
-        bu.gpus.insert(bu.gpus.end(), s.gpus.begin(), s.gpus.end());
-        const Node& n = nodes.at(s.node);
-        where[s.node] = Value::map({{"host", n.host}, {"address", n.address}});
+        bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
       }
-      groups.push_back(std::move(list));
+      r.groups.push_back(std::move(list));
     }
-    if (!dry_run) {
-      Run& r = runs[run];
-      r.id = run;
-      r.job = b["job"].as<std::string>();
-      r.owner = b["owner"].as<std::string>();
-      r.driver = from;
-      r.since = unix_now();
-      r.last_lease = Clock::now();
-      r.bundles.clear();
-      for (auto& [id, bu] : per_node) r.bundles.push_back(bu);
+    if (!b.dry_run) {
+      Run& x = runs[run];
+      x.id = run;
+      x.job = b.job;
+      x.owner = b.owner;
+      x.driver = from;
+      x.since = unix_now();
+      x.last_lease = Clock::now();
+      x.bundles.clear();
+      for (auto& [id, bu] : per_node) x.bundles.push_back(bu);
       std::vector<std::string> used;
       for (const auto& [id, bu] : per_node) used.push_back(id);
-      log(fmt::format("reserved for run {} (job {}, owner {}): {}", run, r.job, r.owner,
+      log(fmt::format("reserved for run {} (job {}, owner {}): {}", run, x.job, x.owner,
                       fmt::join(used, ", ")));
     }
-    reply(Value::map({{"ok", true}, {"groups", groups}, {"nodes", where}}));
+    reply(std::move(r));
   }
 
   void on_release(const std::string& run_id) {
@@ -294,14 +290,15 @@ struct Head::State {
     for (const auto& b : r->second.bundles) {
       auto n = nodes.find(b.node);
       if (n != nodes.end() && n->second.alive)
-        send(n->second.identity, Message{MsgType::kill_job, 0, Value::map({{"run", run_id}})});
+        send(n->second.identity, Message{0, proto::KillJob{run_id}});
     }
     log(fmt::format("released run {} (job {})", run_id, r->second.job));
     runs.erase(r);
   }
 
-  Value nodes_info() const {
-    Value list = Value::list();
+  proto::NodesInfo nodes_info() const {
+    proto::NodesInfo info;
+    info.head = endpoint;
     for (const auto& id : order) {
       const Node& n = nodes.at(id);
       std::map<int, std::string> held;  // gpu -> run
@@ -313,98 +310,94 @@ struct Head::State {
           for (int g : b.gpus) held[g] = rid;
         }
       }
-      Value gpus = Value::list();
+      proto::NodeEntry e;
+      e.id = id;
+      e.host = n.host;
+      e.address = n.address;
+      e.state = n.alive ? "ALIVE" : "DEAD";
+      e.cpus = n.cpus;
+      e.cpus_free = std::max(0, n.cpus - cpus_used);
+      e.memory = n.memory;
       for (const auto& g : n.gpus) {
-        Value x = g;
-        const int index = g["index"].as<int>();
-        x["run"] = held.count(index) ? held.at(index) : std::string();
-        gpus.push_back(std::move(x));
+        proto::GpuEntry x = g;
+        x.run = held.count(g.index) ? held.at(g.index) : std::string();
+        e.gpus.push_back(std::move(x));
       }
-      list.push_back(Value::map({{"id", id},
-                                 {"host", n.host},
-                                 {"address", n.address},
-                                 {"state", n.alive ? "ALIVE" : "DEAD"},
-                                 {"cpus", n.cpus},
-                                 {"cpus_free", std::max(0, n.cpus - cpus_used)},
-                                 {"memory", n.memory},
-                                 {"gpus", gpus},
-                                 {"labels", labels_to_value(n.labels)},
-                                 {"heartbeat_age_s", seconds_since(n.last_seen)},
-                                 {"registered", n.registered}}));
+      e.labels = n.labels;
+      e.heartbeat_age_s = seconds_since(n.last_seen);
+      e.registered = n.registered;
+      info.nodes.push_back(std::move(e));
     }
-    Value res = Value::list();
     for (const auto& [rid, r] : runs) {
-      Value bundles = Value::list();
-      for (const auto& b : r.bundles) {
-        bundles.push_back(
-            Value::map({{"node", b.node}, {"gpus", Value(b.gpus)}, {"cpus", b.cpus}}));
-      }
-      res.push_back(Value::map({{"run", rid},
-                                {"job", r.job},
-                                {"owner", r.owner},
-                                {"since", r.since},
-                                {"bundles", bundles}}));
+      proto::ReservationEntry e{rid, r.job, r.owner, r.since, {}};
+      for (const auto& b : r.bundles)
+        e.bundles.push_back(proto::BundleEntry{b.node, b.gpus, b.cpus});
+      info.reservations.push_back(std::move(e));
     }
-    return Value::map({{"head", endpoint}, {"nodes", list}, {"reservations", res}});
+    return info;
+  }
+
+  // Sends `m` on to the agent of `node`, or tells the sender that node is not live.
+  void to_node(const std::string& from, const std::string& node, const Message& m) {
+    auto n = nodes.find(node);
+    if (n == nodes.end() || !n->second.alive) {
+      send(from, Message{0, proto::NodeDead{node, n == nodes.end() ? std::string() : n->second.host,
+                                            "", "the head does not know it as a live node"}});
+      return;
+    }
+    send(n->second.identity, m);
+  }
+
+  // Sends `m` on to the driver of `run`.
+  void to_driver(const std::string& run, const Message& m) {
+    auto r = runs.find(run);
+    if (r != runs.end()) send(r->second.driver, m);
   }
 
   void handle(const std::string& from, Message& m) {
-    switch (m.type) {
-      case MsgType::node_register: on_register(from, m); break;
-      case MsgType::heartbeat: {
-        Node* n = node_by_identity(from);
-        if (n && n->alive) {
-          n->last_seen = Clock::now();
-        } else {
-          send(from, Message{MsgType::reregister, 0, Value()});
-        }
-        break;
-      }
-      case MsgType::node_leave: {
-        Node* n = node_by_identity(from);
-        if (n && n->alive) declare_dead(*n, m.body["reason"].as<std::string>());
-        break;
-      }
-      case MsgType::nodes_query:
-        send(from, Message{MsgType::nodes_info, m.id, nodes_info()});
-        break;
-      case MsgType::reserve: on_reserve(from, m); break;
-      case MsgType::lease: {
-        auto r = runs.find(m.body["run"].as<std::string>());
-        if (r != runs.end()) {
-          r->second.last_lease = Clock::now();
-          r->second.driver = from;
-        }
-        break;
-      }
-      case MsgType::release: on_release(m.body["run"].as<std::string>()); break;
-      case MsgType::launch:
-      case MsgType::plugin:
-      case MsgType::stop_job: {
-        const std::string node = m.body["node"].as<std::string>();
-        auto n = nodes.find(node);
-        if (n == nodes.end() || !n->second.alive) {
-          send(from,
-               Message{MsgType::node_dead, 0,
-                       Value::map({{"node", node},
-                                   {"host", n == nodes.end() ? std::string() : n->second.host},
-                                   {"reason", "the head does not know it as a live node"}})});
-          break;
-        }
-        send(n->second.identity, m);
-        break;
-      }
-      case MsgType::launched:
-      case MsgType::need_plugin:
-      case MsgType::stopped:
-      case MsgType::worker_exit:
-      case MsgType::output: {
-        auto r = runs.find(m.body["run"].as<std::string>());
-        if (r != runs.end()) send(r->second.driver, m);
-        break;
-      }
-      default: log(fmt::format("dropped an unexpected {} message", transport::to_string(m.type)));
-    }
+    std::visit(
+        [&](auto& b) {
+          using T = std::decay_t<decltype(b)>;
+          if constexpr (std::is_same_v<T, proto::NodeRegister>) {
+            on_register(from, b);
+          } else if constexpr (std::is_same_v<T, proto::Heartbeat>) {
+            Node* n = node_by_identity(from);
+            if (n && n->alive) {
+              n->last_seen = Clock::now();
+            } else {
+              send(from, Message{0, proto::Reregister{}});
+            }
+          } else if constexpr (std::is_same_v<T, proto::NodeLeave>) {
+            Node* n = node_by_identity(from);
+            if (n && n->alive) declare_dead(*n, b.reason);
+          } else if constexpr (std::is_same_v<T, proto::NodesQuery>) {
+            send(from, Message{m.id, nodes_info()});
+          } else if constexpr (std::is_same_v<T, proto::Reserve>) {
+            on_reserve(from, m.id, b);
+          } else if constexpr (std::is_same_v<T, proto::Lease>) {
+            auto r = runs.find(b.run);
+            if (r != runs.end()) {
+              r->second.last_lease = Clock::now();
+              r->second.driver = from;
+            }
+          } else if constexpr (std::is_same_v<T, proto::Release>) {
+            on_release(b.run);
+          } else if constexpr (std::is_same_v<T, proto::Launch> ||
+                               std::is_same_v<T, proto::PluginBytes> ||
+                               std::is_same_v<T, proto::StopJob>) {
+            to_node(from, b.node, m);
+          } else if constexpr (std::is_same_v<T, proto::Launched> ||
+                               std::is_same_v<T, proto::NeedPlugin> ||
+                               std::is_same_v<T, proto::Stopped> ||
+                               std::is_same_v<T, proto::WorkerExit> ||
+                               std::is_same_v<T, proto::Output>) {
+            to_driver(b.run, m);
+          } else {
+            drops.drop(
+                fmt::format("a {} message is not for the head", transport::to_string(T::kType)));
+          }
+        },
+        m.body);
   }
 
   // `n` is gone: its part of every run is released and each run's driver is told.
@@ -416,12 +409,7 @@ struct Head::State {
                             [&](const Bundle& x) { return x.node == n.id; });
       if (b == r.bundles.end()) continue;
       r.bundles.erase(b);
-      send(
-          r.driver,
-          Message{
-              MsgType::node_dead, 0,
-              Value::map(
-                  {{"node", n.id}, {"host", n.host}, {"address", n.address}, {"reason", reason}})});
+      send(r.driver, Message{0, proto::NodeDead{n.id, n.host, n.address, reason}});
     }
   }
 
@@ -442,7 +430,7 @@ struct Head::State {
       for (const auto& b : r->second.bundles) {
         auto n = nodes.find(b.node);
         if (n != nodes.end() && n->second.alive)
-          send(n->second.identity, Message{MsgType::kill_job, 0, Value::map({{"run", r->first}})});
+          send(n->second.identity, Message{0, proto::KillJob{r->first}});
       }
       r = runs.erase(r);
     }
@@ -508,12 +496,14 @@ void Head::run(const std::atomic<bool>& stop) {
       if (frames.size() < 2) continue;
       const std::string from = frames.front().to_string();
       frames.erase(frames.begin());
+      std::optional<Message> m;
       try {
-        Message m = transport::decode_message(std::move(frames));
-        s.handle(from, m);
-      } catch (const std::exception& e) {
-        s.log(fmt::format("dropped a malformed message from {}: {}", from.substr(0, 64), e.what()));
+        m = transport::decode_cluster_message(std::move(frames));
+      } catch (const TransportError& e) {
+        s.drops.drop(fmt::format("from {}: {}", from.substr(0, 64), e.what()));
+        continue;
       }
+      s.handle(from, *m);
     }
   }
 }

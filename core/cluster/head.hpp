@@ -6,9 +6,9 @@
 
 #include "core/cluster/security.hpp"
 
-// The head of a cluster (DESIGN.md section 10): the node table and the reservations. Agents
-// register and heartbeat; drivers reserve, renew their lease, and talk to the agents of their
-// run through the head; `twinkle nodes` asks it for the tables. It keeps no state on disk: a
+// The head of a cluster (docs/ARCHITECTURE.md, Remote mode): the node table and the reservations.
+// Agents register and heartbeat; drivers reserve, renew their lease, and talk to the agents of
+// their run through the head; `twinkle nodes` asks it for the tables. It keeps no state on disk: a
 // restarted head rebuilds its tables from the agents, which re-register with the jobs they run.
 namespace twinkle::core::cluster {
 

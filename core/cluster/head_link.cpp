@@ -82,14 +82,17 @@ Message HeadLink::request(const Message& m, MsgType expect, std::chrono::millise
     if (left.count() <= 0) break;
     std::optional<Message> r;
     try {
-      r = transport::recv_message(socket_, static_cast<int>(left.count()));
-    } catch (const TransportError&) {
-      continue;  // malformed: dropped
+      auto frames = transport::recv_frames(socket_, static_cast<int>(left.count()));
+      if (!frames) continue;
+      r = transport::decode_cluster_message(std::move(*frames));
+    } catch (const TransportError& e) {
+      drops_.drop(e.what());
+      continue;
     }
-    if (r && r->type == expect && (m.id == 0 || r->id == m.id)) return std::move(*r);
+    if (r->type() == expect && (m.id == 0 || r->id == m.id)) return std::move(*r);
   }
   throw TransportError(fmt::format(
-      "the head at {} did not answer a {} within {} s", address_, transport::to_string(m.type),
+      "the head at {} did not answer a {} within {} s", address_, transport::to_string(m.type()),
       std::chrono::duration_cast<std::chrono::seconds>(timeout).count()));
 }
 
@@ -152,12 +155,13 @@ void HeadLink::loop() {
     for (;;) {
       std::optional<Message> m;
       try {
-        m = transport::recv_message(socket_, 0);
+        auto frames = transport::recv_frames(socket_, 0);
+        if (!frames) break;
+        m = transport::decode_cluster_message(std::move(*frames));
       } catch (const TransportError& e) {
-        std::fprintf(stderr, "twinkle: dropped a malformed message from the head: %s\n", e.what());
+        drops_.drop(e.what());
         continue;
       }
-      if (!m) break;
       if (on_message_) on_message_(*m);
     }
   }

@@ -13,11 +13,13 @@
 #include "transports/fd.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
+#include "transports/zmq/protocol.hpp"
 
 namespace twinkle::core::cluster {
 
-using transport::Message;
 using transport::MsgType;
+using Message = transport::ClusterMessage;
+namespace proto = transport::proto;
 
 // A member's connection to the head (agents, drivers, `twinkle nodes`): a DEALER over TCP with
 // CURVE and heartbeats. First synchronous requests, then (after start) a thread that hands
@@ -42,6 +44,11 @@ class HeadLink {
   // Before start(): sends `m` and waits up to `timeout` for a message of type `expect` (others
   // are dropped). Throws TransportError when none comes.
   Message request(const Message& m, MsgType expect, std::chrono::milliseconds timeout);
+  // The same, returning the answer's body.
+  template <class Answer>
+  Answer request(const Message& m, std::chrono::milliseconds timeout) {
+    return std::get<Answer>(request(m, Answer::kType, timeout).body);
+  }
 
   // Before start(): sends `m` and expects no answer.
   void send(const Message& m) { transport::send_message(socket_, m); }
@@ -69,6 +76,7 @@ class HeadLink {
   std::mutex mu_;
   std::deque<Message> outbox_;
   std::atomic<bool> stop_{false};
+  transport::DropLog drops_{"the link to the head"};  // the link's thread's
   std::thread thread_;
 };
 

@@ -52,7 +52,7 @@ class ClusterSite : public RemoteSite {
       : security_(security), link_(address, security_, driver_identity()) {}
 
   ~ClusterSite() override {
-    if (!run_.empty()) link_.post(Message{MsgType::release, 0, Value::map({{"run", run_}})});
+    if (!run_.empty()) link_.post(Message{0, proto::Release{run_}});
     link_.stop(std::chrono::milliseconds(1000));
   }
 
@@ -62,60 +62,55 @@ class ClusterSite : public RemoteSite {
                                              static_cast<std::int64_t>(job.queue_timeout_s * 1000));
     std::string last_holders;
     for (;;) {
-      Message r =
-          link_.request(Message{MsgType::reserve, ++request_id_, demand(job, run_id, false)},
-                        MsgType::reservation, kRequestTimeout);
-      if (r.body["ok"].as<bool>()) {
+      auto r = link_.request<proto::Reservation>(Message{++request_id_, demand(job, run_id, false)},
+                                                 kRequestTimeout);
+      if (r.ok) {
         run_ = run_id;
         link_.start([this](Message& m) { on_message(m); },
                     [this]() -> std::optional<Message> {
-                      return Message{MsgType::lease, 0, Value::map({{"run", run_}})};
+                      return Message{0, proto::Lease{run_}};
                     });
-        return to_placement(job, r.body);
+        return to_placement(job, r);
       }
-      const std::string message = r.body["message"].as<std::string>();
-      if (r.body["kind"].as<std::string>() == "infeasible") {
+      if (r.kind == "infeasible") {
         throw ConfigError(fmt::format("{}: the job cannot run on the cluster at {}: {}",
-                                      job.file.string(), link_.address(), message));
+                                      job.file.string(), link_.address(), r.message));
       }
-      const std::string holders = r.body["holders"].as<std::string>();
       if (Clock::now() >= deadline) {
         throw Error(fmt::format(
             "gave up waiting for devices after {:g} s (job.queue_timeout_s): {}; held by {}",
-            job.queue_timeout_s, message, holders));
+            job.queue_timeout_s, r.message, r.holders));
       }
-      if (holders != last_holders) {
+      if (r.holders != last_holders) {
         std::fprintf(stderr,
                      "twinkle: waiting for devices on the cluster at %s: %s; held by %s (up to "
                      "%g s, job.queue_timeout_s)\n",
-                     link_.address().c_str(), message.c_str(), holders.c_str(),
+                     link_.address().c_str(), r.message.c_str(), r.holders.c_str(),
                      job.queue_timeout_s);
         std::fflush(stderr);
-        last_holders = holders;
+        last_holders = r.holders;
       }
       if (!wait(std::chrono::milliseconds(500))) return std::nullopt;
     }
   }
 
   Placement plan(const Job& job) override {
-    Message r = link_.request(Message{MsgType::reserve, ++request_id_, demand(job, "plan", true)},
-                              MsgType::reservation, kRequestTimeout);
-    if (!r.body["ok"].as<bool>()) {
-      const bool busy = r.body["kind"].as<std::string>() == "busy";
-      throw ConfigError(
-          fmt::format("{}: the job {} on the cluster at {}: {}{}", job.file.string(),
-                      busy ? "does not fit now" : "cannot run", link_.address(),
-                      r.body["message"].as<std::string>(),
-                      busy ? "; held by " + r.body["holders"].as<std::string>() : std::string()));
+    auto r = link_.request<proto::Reservation>(Message{++request_id_, demand(job, "plan", true)},
+                                               kRequestTimeout);
+    if (!r.ok) {
+      const bool busy = r.kind == "busy";
+      throw ConfigError(fmt::format("{}: the job {} on the cluster at {}: {}{}", job.file.string(),
+                                    busy ? "does not fit now" : "cannot run", link_.address(),
+                                    r.message, busy ? "; held by " + r.holders : std::string()));
     }
-    return to_placement(job, r.body);
+    return to_placement(job, r);
   }
 
   std::string driver_address() const override { return link_.local_address(); }
   bool secure() const override { return security_.secure(); }
 
   std::unique_ptr<Launcher> launcher(const Job& job, const Placement& placement, Launch launch,
-                                     transport::DriverChannel& channel) override;
+                                     transport::CallChannel& channel) override;
 
   // The launcher of the run, which takes the messages of the run's agents.
   void attach(ClusterLauncher* l) {
@@ -126,47 +121,52 @@ class ClusterSite : public RemoteSite {
   const std::string& run() const { return run_; }
 
  private:
-  Value demand(const Job& job, const std::string& run_id, bool dry_run) const {
-    Value groups = Value::list();
+  proto::Reserve demand(const Job& job, const std::string& run_id, bool dry_run) const {
+    proto::Reserve r{run_id, job.name, owner_name(), dry_run, {}};
     for (const auto& g : job.groups) {
-      groups.push_back(
-          Value::map({{"name", g.name},
-                      {"workers", g.workers()},
-                      {"gpus_per_worker", g.device == DeviceType::cuda ? g.gpus_per_worker : 0},
-                      {"strategy", std::string(to_string(g.placement.value_or(job.placement)))},
-                      {"labels", labels_to_value(g.labels)}}));
+      r.groups.push_back(proto::GroupDemandEntry{
+          g.name, g.workers(), g.device == DeviceType::cuda ? g.gpus_per_worker : 0,
+          std::string(to_string(g.placement.value_or(job.placement))), g.labels});
     }
-    return Value::map({{"run", run_id},
-                       {"job", job.name},
-                       {"owner", owner_name()},
-                       {"dry_run", dry_run},
-                       {"groups", groups}});
+    return r;
   }
 
-  static Placement to_placement(const Job& job, const Value& reply) {
+  // Throws TransportError when the head's answer does not fit the job (another head's build).
+  static Placement to_placement(const Job& job, const proto::Reservation& reply) {
+    if (reply.groups.size() != job.groups.size())
+      throw TransportError(fmt::format("the head placed {} group(s) for a job of {}",
+                                       reply.groups.size(), job.groups.size()));
     Placement p;
     std::map<std::string, int> index;
-    const Value& where = reply["nodes"];
     for (std::size_t gi = 0; gi < job.groups.size(); ++gi) {
       GroupPlacement gp;
       gp.group = &job.groups[gi];
-      const Value& slots = reply["groups"].list_items().at(gi);
-      for (std::size_t wi = 0; wi < slots.list_items().size(); ++wi) {
-        const Value& s = slots.list_items()[wi];
-        const std::string node = s["node"].as<std::string>();
-        auto [it, fresh] = index.emplace(node, static_cast<int>(p.nodes.size()));
+      const auto& slots = reply.groups[gi];
+      if (slots.size() != gp.group->ranks.size())
+        throw TransportError(fmt::format("the head placed {} worker(s) of group {} for {}",
+                                         slots.size(), gp.group->name, gp.group->ranks.size()));
+      for (std::size_t wi = 0; wi < slots.size(); ++wi) {
+        const auto& sl = slots[wi];
+        auto [it, fresh] = index.emplace(sl.node, static_cast<int>(p.nodes.size()));
         if (fresh) {
+          auto where = std::find_if(reply.nodes.begin(), reply.nodes.end(),
+                                    [&](const proto::NodeAddress& n) { return n.node == sl.node; });
+          if (where == reply.nodes.end())
+            throw TransportError(
+                fmt::format("the head placed a worker on node {} without its "
+                            "address",
+                            sl.node));
           NodeSlot slot;
-          slot.id = node;
-          slot.address = where[node]["address"].as<std::string>();
-          slot.host = fmt::format("{} {}", node, slot.address);
+          slot.id = sl.node;
+          slot.address = where->address;
+          slot.host = fmt::format("{} {}", sl.node, slot.address);
           p.nodes.push_back(std::move(slot));
         }
         WorkerPlacement w;
         w.rank = gp.group->ranks.at(wi);
         w.index = static_cast<int>(wi);
         w.node = it->second;
-        w.gpus = s["gpus"].as<std::vector<int>>();
+        w.gpus = sl.gpus;
         gp.workers.push_back(std::move(w));
       }
       p.groups.push_back(std::move(gp));
@@ -189,7 +189,7 @@ class ClusterSite : public RemoteSite {
 class ClusterLauncher : public Launcher {
  public:
   ClusterLauncher(ClusterSite& site, const Job& job, const Placement& placement,
-                  RemoteSite::Launch launch, transport::DriverChannel& channel)
+                  RemoteSite::Launch launch, transport::CallChannel& channel)
       : site_(site), job_(job.name), launch_(std::move(launch)), channel_(channel) {
     for (const auto& gp : placement.groups) {
       for (const auto& w : gp.workers) {
@@ -213,28 +213,24 @@ class ClusterLauncher : public Launcher {
 
   void start(const std::vector<WorkerLaunch>& workers) override {
     for (const auto& node : nodes_) {
-      Value list = Value::list();
-      int cpus = 0;
+      proto::Launch l;
+      l.run = site_.run();
+      l.node = node;
+      l.job = job_;
+      l.owner = owner_name();
+      l.sha256 = sha_;
+      l.endpoint = launch_.endpoint;
+      l.gpus = gpus_[node];
       for (std::size_t i = 0; i < workers.size(); ++i) {
         if (peer_node_[i] != node) continue;
-        list.push_back(Value::map({{"name", workers[i].name}, {"env", Value(workers[i].env)}}));
-        ++cpus;
+        l.workers.push_back(proto::LaunchWorker{workers[i].name, workers[i].env});
+        ++l.cpus;
       }
-      Value body = Value::map({{"run", site_.run()},
-                               {"node", node},
-                               {"job", job_},
-                               {"owner", owner_name()},
-                               {"sha256", sha_},
-                               {"endpoint", launch_.endpoint},
-                               {"gpus", Value(gpus_[node])},
-                               {"cpus", cpus},
-                               {"workers", list}});
       if (launch_.worker.secure()) {
-        body["keys"] = Value::map({{"public", launch_.worker.keys->public_key},
-                                   {"secret", launch_.worker.keys->secret_key},
-                                   {"server", launch_.worker.server_key}});
+        l.keys = proto::RunKeys{launch_.worker.keys->public_key, launch_.worker.keys->secret_key,
+                                launch_.worker.server_key};
       }
-      site_.link().post(Message{MsgType::launch, 0, std::move(body)});
+      site_.link().post(Message{0, std::move(l)});
     }
     std::unique_lock lock(mu_);
     const bool all = cv_.wait_for(lock, kLaunchTimeout, [this] {
@@ -276,41 +272,35 @@ class ClusterLauncher : public Launcher {
   }
 
   void on_message(Message& m) {
-    switch (m.type) {
-      case MsgType::need_plugin: send_plugin(m.body["node"].as<std::string>()); break;
-      case MsgType::launched: {
-        std::lock_guard lock(mu_);
-        const std::string node = m.body["node"].as<std::string>();
-        if (m.body["ok"].as<bool>()) {
-          launched_.insert(node);
-        } else if (launch_error_.empty()) {
-          launch_error_ = fmt::format("node {} could not start its workers: {}", node,
-                                      m.body["error"].as<std::string>());
-        }
-        cv_.notify_all();
-        break;
+    if (auto* need = m.get<proto::NeedPlugin>()) {
+      send_plugin(need->node);
+    } else if (auto* launched = m.get<proto::Launched>()) {
+      std::lock_guard lock(mu_);
+      if (!launched->error) {
+        launched_.insert(launched->node);
+      } else if (launch_error_.empty()) {
+        launch_error_ = fmt::format("node {} could not start its workers: {}", launched->node,
+                                    *launched->error);
       }
-      case MsgType::stopped: {
-        std::lock_guard lock(mu_);
-        stopped_.insert(m.body["node"].as<std::string>());
-        for (const auto& n : m.body["signalled"]) signalled_.push_back(n.as<std::string>());
-        cv_.notify_all();
-        break;
-      }
-      case MsgType::output: output(m.body); break;
-      case MsgType::worker_exit: worker_exit(m.body); break;
-      case MsgType::node_dead: node_dead(m.body); break;
-      default: break;
+      cv_.notify_all();
+    } else if (auto* stopped = m.get<proto::Stopped>()) {
+      std::lock_guard lock(mu_);
+      stopped_.insert(stopped->node);
+      signalled_.insert(signalled_.end(), stopped->signalled.begin(), stopped->signalled.end());
+      cv_.notify_all();
+    } else if (auto* out = m.get<proto::Output>()) {
+      output(*out);
+    } else if (auto* exit = m.get<proto::WorkerExit>()) {
+      worker_exit(*exit);
+    } else if (auto* dead = m.get<proto::NodeDead>()) {
+      node_dead(*dead);
     }
   }
 
  private:
   void post_stop(const std::string& node, std::chrono::milliseconds grace) const {
     site_.link().post(
-        Message{MsgType::stop_job, 0,
-                Value::map({{"run", site_.run()},
-                            {"node", node},
-                            {"grace_ms", static_cast<std::int64_t>(grace.count())}})});
+        Message{0, proto::StopJob{site_.run(), node, static_cast<std::int64_t>(grace.count())}});
   }
 
   void send_plugin(const std::string& node) {
@@ -321,20 +311,17 @@ class ClusterLauncher : public Launcher {
       plugin_bytes_ = Tensor::view(DType::u8, {static_cast<std::int64_t>(data->size())},
                                    data->data(), data->size(), data);
     }
-    site_.link().post(Message{
-        MsgType::plugin, 0,
-        Value::map(
-            {{"run", site_.run()}, {"node", node}, {"sha256", sha_}, {"bytes", *plugin_bytes_}})});
+    site_.link().post(Message{0, proto::PluginBytes{site_.run(), node, sha_, *plugin_bytes_}});
   }
 
   std::size_t peer_of(const std::string& name) const {
     return static_cast<std::size_t>(std::find(names_.begin(), names_.end(), name) - names_.begin());
   }
 
-  void output(const Value& b) {
-    const std::string name = b["name"].as<std::string>();
-    const std::string line = b["line"].as<std::string>();
-    const bool err = b["stream"].as<std::string>() == "stderr";
+  void output(const proto::Output& b) {
+    const std::string& name = b.name;
+    const std::string& line = b.line;
+    const bool err = b.is_stderr;
     if (launch_.log_dir) {
       auto& f = logs_[name];
       if (!f) {
@@ -351,44 +338,39 @@ class ClusterLauncher : public Launcher {
     std::fflush(out);
   }
 
-  void worker_exit(const Value& b) {
+  void worker_exit(const proto::WorkerExit& b) {
     if (expecting_ || failed_.exchange(true)) return;
-    const std::string name = b["name"].as<std::string>();
-    std::string reason =
-        fmt::format("{} on node {}", b["text"].as<std::string>(), b["node"].as<std::string>());
+    std::string reason = fmt::format("{} on node {}", b.text, b.node);
     std::fprintf(stderr, "twinkle: worker %s (node %s, pid %d) %s; stopping the other workers\n",
-                 name.c_str(), b["node"].as<std::string>().c_str(), b["pid"].as<int>(),
-                 b["text"].as<std::string>().c_str());
+                 b.name.c_str(), b.node.c_str(), b.pid, b.text.c_str());
     std::fflush(stderr);
     kill_now();
-    if (!b["stderr"].list_items().empty()) {
+    if (!b.stderr_tail.empty()) {
       reason += "; its last stderr lines:";
-      for (const auto& l : b["stderr"]) reason += "\n    | " + l.as<std::string>();
+      for (const auto& l : b.stderr_tail) reason += "\n    | " + l;
     }
-    channel_.lost(peer_of(name), std::move(reason));
+    channel_.lost(peer_of(b.name), std::move(reason));
   }
 
-  void node_dead(const Value& b) {
-    const std::string node = b["node"].as<std::string>();
+  void node_dead(const proto::NodeDead& b) {
     {
       std::lock_guard lock(mu_);
-      dead_.insert(node);
+      dead_.insert(b.node);
       cv_.notify_all();
     }
     if (expecting_ || failed_.exchange(true)) return;
     std::vector<std::string> ranks;
     std::size_t first = names_.size();
     for (std::size_t i = 0; i < names_.size(); ++i) {
-      if (peer_node_[i] != node) continue;
+      if (peer_node_[i] != b.node) continue;
       ranks.push_back(names_[i]);
       first = std::min(first, i);
     }
     if (first == names_.size()) return;
     const std::string reason = fmt::format("its node {} ({}) is DEAD: {}; the ranks there were {}",
-                                           node, b["host"].as<std::string>(),
-                                           b["reason"].as<std::string>(), fmt::join(ranks, ", "));
+                                           b.node, b.host, b.reason, fmt::join(ranks, ", "));
     std::fprintf(stderr, "twinkle: node %s is DEAD (%s); lost worker(s) %s; stopping the others\n",
-                 node.c_str(), b["reason"].as<std::string>().c_str(),
+                 b.node.c_str(), b.reason.c_str(),
                  fmt::format("{}", fmt::join(ranks, ", ")).c_str());
     std::fflush(stderr);
     kill_now();
@@ -398,7 +380,7 @@ class ClusterLauncher : public Launcher {
   ClusterSite& site_;
   std::string job_;
   RemoteSite::Launch launch_;
-  transport::DriverChannel& channel_;
+  transport::CallChannel& channel_;
   std::vector<std::string> names_;      // by peer
   std::vector<std::string> peer_node_;  // by peer: its node id
   std::vector<std::string> nodes_;
@@ -417,7 +399,7 @@ class ClusterLauncher : public Launcher {
 };
 
 std::unique_ptr<Launcher> ClusterSite::launcher(const Job& job, const Placement& placement,
-                                                Launch launch, transport::DriverChannel& channel) {
+                                                Launch launch, transport::CallChannel& channel) {
   return std::make_unique<ClusterLauncher>(*this, job, placement, std::move(launch), channel);
 }
 

@@ -7,7 +7,7 @@
 
 #include "core/job/job.hpp"
 
-// Where a job's workers go on a cluster (DESIGN.md sections 4 and 10, Placement): the head's
+// Where a job's workers go on a cluster (docs/ARCHITECTURE.md, Placement): the head's
 // decision, a pure function of what the nodes have free and what the groups ask for.
 namespace twinkle::core::cluster {
 

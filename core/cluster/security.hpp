@@ -7,7 +7,7 @@
 
 #include "transports/zmq/auth.hpp"
 
-// Which keys a cluster member uses (DESIGN.md section 10, Security), from flags, environment and
+// Which keys a cluster member uses (docs/ARCHITECTURE.md, Security), from flags, environment and
 // the default files under ~/.twinkle, and the rule that plaintext stays on loopback.
 namespace twinkle::core::cluster {
 

@@ -171,7 +171,7 @@ class SlurmSite : public RemoteSite {
   std::string driver_address() const override { return inner_->driver_address(); }
   bool secure() const override { return true; }
   std::unique_ptr<Launcher> launcher(const Job& job, const Placement& placement, Launch launch,
-                                     transport::DriverChannel& channel) override {
+                                     transport::CallChannel& channel) override {
     return inner_->launcher(job, placement, std::move(launch), channel);
   }
 
@@ -181,12 +181,10 @@ class SlurmSite : public RemoteSite {
     const auto deadline = std::chrono::steady_clock::now() + kJoinTimeout;
     std::uint64_t id = 0;
     for (;;) {
-      const Value info = probe
-                             .request(Message{MsgType::nodes_query, ++id, Value()},
-                                      MsgType::nodes_info, std::chrono::seconds(5))
-                             .body;
+      const auto info = probe.request<proto::NodesInfo>(Message{++id, proto::NodesQuery{}},
+                                                        std::chrono::seconds(5));
       std::size_t alive = 0;
-      for (const auto& n : info["nodes"]) alive += n["state"].as<std::string>() == "ALIVE";
+      for (const auto& n : info.nodes) alive += n.state == "ALIVE";
       if (alive >= alloc_.nodes.size()) return;
       {
         std::lock_guard lock(mu_);

@@ -8,7 +8,7 @@
 #include "core/cluster/scheduler.hpp"
 #include "core/runtime/launcher.hpp"
 
-// Remote mode inside a Slurm allocation (DESIGN.md section 10, Existing engines): the driver is
+// Remote mode inside a Slurm allocation (docs/ARCHITECTURE.md, Slurm): the driver is
 // its own head, and one node agent per allocated node is started with srun, so no standing
 // cluster is needed and Slurm's CPU and GPU binding is what the agents offer.
 namespace twinkle::core::cluster {

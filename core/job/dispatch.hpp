@@ -10,9 +10,9 @@
 #include "twinkle/metadata.hpp"
 #include "twinkle/value.hpp"
 
-// The metadata on every remote method (DESIGN.md section 5): how the driver hands arguments to the
-// workers of a group (dispatch), which workers run the call (execute), and how their results are
-// combined into the one value the driver returns (collect).
+// The metadata on every remote method (docs/ARCHITECTURE.md, Dispatch, execute and collect): how
+// the driver hands arguments to the workers of a group (dispatch), which workers run the call
+// (execute), and how their results are combined into the one value the driver returns (collect).
 //
 // Every function here is pure: no state, safe to call from any thread.
 namespace twinkle::core {

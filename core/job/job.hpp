@@ -56,7 +56,7 @@ struct NotifySpec {
   std::string secret;
 };
 
-// A parsed and validated job file (DESIGN.md section 3). Plain data; copyable.
+// A parsed and validated job file (docs/ARCHITECTURE.md, Job file). Plain data; copyable.
 struct Job {
   std::filesystem::path file;  // as given on the command line
   std::string name;

@@ -28,7 +28,7 @@ struct NodeSlot {
   std::string address;   // remote mode: where the node's peers reach it
 };
 
-// Ranks -> nodes -> devices for every group (DESIGN.md section 4).
+// Ranks -> nodes -> devices for every group (docs/ARCHITECTURE.md, Placement).
 struct Placement {
   std::vector<GroupPlacement> groups;
   std::vector<NodeSlot> nodes;

@@ -13,10 +13,10 @@ struct TopologyStyle {
   bool ascii = false;  // plain ASCII instead of box-drawing characters
 };
 
-// The device placement diagram of DESIGN.md section 11: a title box, a one-line summary, then one
-// box per group with its device type, ranks, placement (host and physical GPU of each worker) and
-// mesh (dimensions, parallelism, shape for more than 2 dims, layout grid capped at 6 rows x 10
-// columns). Every line is at most 80 columns wide.
+// The device placement diagram (docs/ARCHITECTURE.md, Topology): a title box, a one-line summary,
+// then one box per group with its device type, ranks, placement (host and physical GPU of each
+// worker) and mesh (dimensions, parallelism, shape for more than 2 dims, layout grid capped at 6
+// rows x 10 columns). Every line is at most 80 columns wide.
 std::string render_topology(const Job& job, const Placement& placement, TopologyStyle style = {});
 
 // The same facts for scripts (`twinkle topology --json`).

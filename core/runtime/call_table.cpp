@@ -13,7 +13,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using transport::ChannelEvent;
 using transport::Message;
-using transport::MsgType;
 
 Clock::time_point deadline_after(double seconds) {
   return Clock::now() +
@@ -22,7 +21,7 @@ Clock::time_point deadline_after(double seconds) {
 
 }  // namespace
 
-CallTable::CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
+CallTable::CallTable(transport::CallChannel& channel, std::vector<GroupInfo> groups,
                      std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s,
                      std::uint64_t id_base)
     : channel_(channel),
@@ -102,53 +101,39 @@ void CallTable::on_event(ChannelEvent& e) {
   if (e.kind != ChannelEvent::Kind::message || e.peer >= workers_.size()) return;
   WorkerInfo& w = workers_[e.peer];
   Message& m = e.message;
-  switch (m.type) {
-    case MsgType::hello: {
-      if (!m.body.is_map() || !m.body.contains("pid") || !m.body.contains("host")) return;
-      w.pid = m.body["pid"].as<int>();
-      w.host = m.body["host"].as<std::string>();
-      if (m.body.contains("serve")) w.serve = m.body["serve"].as<std::string>();
-      w.ready = true;
-      break;
+  if (auto* hello = m.get<transport::proto::Hello>()) {
+    // The channel knows the peer by its identity; a hello that names another worker is not its.
+    if (w.ready || hello->name != w.name) return;
+    w.pid = hello->pid;
+    w.host = std::move(hello->host);
+    w.serve = std::move(hello->serve);
+    w.ready = true;
+  } else if (auto* created = m.get<transport::proto::Created>()) {
+    auto inst = instances_.find(m.id);
+    if (inst == instances_.end()) return;
+    inst->second.acks[w.index] = std::move(created->error);
+  } else if (auto* reply = m.get<transport::proto::Reply>()) {
+    auto it = calls_.find(m.id);
+    if (it == calls_.end()) return;
+    Call& c = it->second;
+    const auto pos = static_cast<std::size_t>(
+        std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
+    if (c.group != w.group || pos >= c.workers.size() || c.results[pos] || c.errors.count(pos))
+      return;
+    if (reply->error) {
+      c.errors[pos] = std::move(*reply->error);
+    } else {
+      c.results[pos] = std::move(reply->value);
     }
-    case MsgType::created: {
-      auto inst = instances_.find(m.id);
-      if (inst == instances_.end()) break;
-      std::optional<std::string> err;
-      if (!m.body["ok"].as<bool>()) err = m.body["error"].as<std::string>();
-      inst->second.acks[w.index] = err;
-      break;
-    }
-    case MsgType::reply: {
-      auto it = calls_.find(m.id);
-      if (it == calls_.end()) break;
-      Call& c = it->second;
-      const auto pos = static_cast<std::size_t>(
-          std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
-      if (c.group != w.group || pos >= c.workers.size() || c.results[pos] || c.errors.count(pos))
-        break;
-      if (m.body["ok"].as<bool>()) {
-        c.results[pos] = std::move(m.body["value"]);
-      } else {
-        c.errors[pos] = m.body["error"].as<std::string>();
-      }
-      ++c.answered;
-      if (c.released && c.answered == c.workers.size()) calls_.erase(it);
-      break;
-    }
-    default: break;
+    ++c.answered;
+    if (c.released && c.answered == c.workers.size()) calls_.erase(it);
   }
 }
 
 bool CallTable::pump(std::chrono::milliseconds timeout) {
   auto e = channel_.next(timeout);
   if (!e) return false;
-  try {
-    on_event(*e);
-  } catch (const ValueError&) {
-    // A message of the right type whose body is not what this twinkle sends: the channel
-    // decoded it, so it came from a worker of this run built from another source. Dropped.
-  }
+  on_event(*e);
   return true;
 }
 
@@ -173,7 +158,7 @@ void CallTable::check_failed(const std::string& what) const {
 }
 
 void CallTable::start(std::chrono::milliseconds timeout,
-                      const std::function<Value(const WorkerInfo&)>& welcome) {
+                      const std::function<transport::proto::Welcome(const WorkerInfo&)>& welcome) {
   const auto deadline = Clock::now() + timeout;
   auto ready = [&] {
     return std::all_of(workers_.begin(), workers_.end(), [](const auto& w) { return w.ready; });
@@ -195,11 +180,12 @@ void CallTable::start(std::chrono::milliseconds timeout,
     pump(left);
   }
   for (std::size_t i = 0; i < workers_.size(); ++i)
-    channel_.send(i, Message{MsgType::welcome, 0, welcome(workers_[i])});
+    channel_.send(i, Message{0, welcome(workers_[i])});
 }
 
-std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, const Value& args,
-                                std::optional<PeerCaller> peer, const Value& extra) {
+std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
+                                const EncodedValue& args, std::optional<PeerCaller> peer,
+                                const std::vector<transport::proto::ChainLink>& chain) {
   const GroupInfo& g = groups_.at(gi);
   const std::string what = fmt::format("{} constructor on group {}", cls.name, g.name);
   check_failed(what);
@@ -215,11 +201,8 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi, c
     throw CallError(fmt::format("{}: {}", what, e.what()));
   }
   inst.whole = inst.workers.size() == g.peers.size();
-  Value body = extra.is_map() ? extra : Value::map();
-  body["class"] = cls.name;
-  body["args"] = args;
-  for (int w : inst.workers)
-    channel_.send(g.peers[static_cast<std::size_t>(w)], Message{MsgType::create, id, body});
+  const Message create{id, transport::proto::Create{cls.name, args, chain}};
+  for (int w : inst.workers) channel_.send(g.peers[static_cast<std::size_t>(w)], create);
   const auto deadline = deadline_after(timeout_s_);
   while (inst.acks.size() < inst.workers.size()) {
     check_failed(what);
@@ -261,8 +244,9 @@ void CallTable::attach(std::uint64_t instance, const plugins::ClassInfo& cls, st
 }
 
 std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_name,
-                              const Value& args, const std::string& caller,
-                              std::optional<PeerCaller> peer, const Value& extra) {
+                              const EncodedValue& args, const std::string& caller,
+                              std::optional<PeerCaller> peer,
+                              const std::vector<transport::proto::ChainLink>& chain) {
   auto inst = instances_.find(instance);
   if (inst == instances_.end()) throw CallError("unknown instance handle");
   const plugins::ClassInfo& cls = *inst->second.cls;
@@ -294,16 +278,17 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     c.workers = m->execute == Execute::first ? std::vector<int>{inst->second.workers.front()}
                                              : inst->second.workers;
   }
-  std::vector<Value> per_worker;
-  if (m->execute == Execute::first) {
+  // Arguments that every executing worker gets whole are sent as the plugin encoded them.
+  std::vector<EncodedValue> per_worker;
+  if (m->execute == Execute::first || m->dispatch == Dispatch::all) {
     per_worker.assign(c.workers.size(), args);
   } else if (m->dispatch == Dispatch::custom) {
     twk_dispatch_fn fn = custom_.dispatcher ? custom_.dispatcher(m->custom_dispatch) : nullptr;
     if (!fn) throw CallError(fmt::format("{}: no custom dispatch {}", what, m->custom_dispatch));
-    EncodedValue ea = encode(args);
+    EncodedValue ea = args;
     for (std::size_t i = 0; i < c.workers.size(); ++i) {
       SinkCapture got;
-      got.adopt = [this](const twk_value_v1& v) { return channel_.adopt(v); };
+      got.adopt = [this](const twk_value_v1& v) { return decode(channel_.adopt(v)); };
       twk_sink_v1 sink = got.sink();
       if (fn(static_cast<std::int32_t>(c.workers.size()), static_cast<std::int32_t>(i),
              mesh_abi_[gi]->view(), ea.view(), &sink) != TWK_OK ||
@@ -311,29 +296,32 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
         throw CallError(fmt::format("{}: custom dispatch {} failed for worker {}: {}", what,
                                     m->custom_dispatch, i, got.error.value_or("no value")));
       }
-      per_worker.push_back(std::move(*got.value));
+      per_worker.push_back(encode(*got.value));
     }
   } else {
-    per_worker = dispatch_args(m->dispatch, args, g.mesh, c.workers, what);
+    Value whole;
+    try {
+      whole = decode(args.msgpack.data(), args.msgpack.size(), args.tensors);
+    } catch (const ValueError& e) {
+      throw CallError(fmt::format("{}: its arguments: {}", what, e.what()));
+    }
+    for (auto& v : dispatch_args(m->dispatch, whole, g.mesh, c.workers, what))
+      per_worker.push_back(encode(v));
   }
   c.results.resize(c.workers.size());
   c.timeout_s = m->timeout_s > 0 ? m->timeout_s : timeout_s_;
   c.deadline = deadline_after(c.timeout_s);
   const std::uint64_t id = ++next_id_;
   for (std::size_t i = 0; i < c.workers.size(); ++i) {
-    Value body = extra.is_map() ? extra : Value::map();
-    body["instance"] = instance;
-    body["method"] = m->name;
-    body["caller"] = caller;
-    body["args"] = std::move(per_worker[i]);
     channel_.send(g.peers[static_cast<std::size_t>(c.workers[i])],
-                  Message{MsgType::call, id, std::move(body)});
+                  Message{id, transport::proto::Call{instance, m->name, caller,
+                                                     std::move(per_worker[i]), chain}});
   }
   calls_.emplace(id, std::move(c));
   return id;
 }
 
-Value CallTable::wait(std::uint64_t future) {
+EncodedValue CallTable::wait(std::uint64_t future) {
   auto it = calls_.find(future);
   if (it == calls_.end()) throw CallError("unknown or already collected call");
   // The SDK puts "[twinkle driver caller: FILE:LINE]" in front (detail::caller_prefix).
@@ -385,14 +373,26 @@ Value CallTable::wait(std::uint64_t future) {
   return collect(c, prefix);
 }
 
-Value CallTable::collect(Call& c, const std::string& prefix) {
+EncodedValue CallTable::collect(Call& c, const std::string& prefix) {
+  if (c.results.size() == 1 &&
+      (c.method->collect == Collect::first || c.method->collect == Collect::none))
+    return std::move(*c.results[0]);
+  if (c.method->collect == Collect::first && !c.results.empty()) return std::move(*c.results[0]);
   std::vector<Value> results;
   results.reserve(c.results.size());
-  for (auto& r : c.results) results.push_back(std::move(*r));
+  for (std::size_t i = 0; i < c.results.size(); ++i) {
+    const EncodedValue& r = *c.results[i];
+    try {
+      results.push_back(decode(r.msgpack.data(), r.msgpack.size(), r.tensors));
+    } catch (const ValueError& e) {
+      throw CallError(fmt::format("{}: the result of {} does not decode: {}", prefix,
+                                  worker_label(c.group, c.workers[i]), e.what()));
+    }
+  }
   if (c.method->collect != Collect::custom) {
     try {
-      return collect_results(c.method->collect, std::move(results), groups_[c.group].mesh,
-                             c.workers, c.what);
+      return encode(collect_results(c.method->collect, std::move(results), groups_[c.group].mesh,
+                                    c.workers, c.what));
     } catch (const std::exception& e) {
       throw CallError(fmt::format("{}: {}", prefix, e.what()));
     }
@@ -400,10 +400,8 @@ Value CallTable::collect(Call& c, const std::string& prefix) {
   twk_collect_fn fn = custom_.collector ? custom_.collector(c.method->custom_collect) : nullptr;
   if (!fn)
     throw CallError(fmt::format("{}: no custom collect {}", prefix, c.method->custom_collect));
-  std::vector<EncodedValue> enc;
-  for (const auto& r : results) enc.push_back(encode(r));
   std::vector<twk_value_v1> views;
-  for (auto& e : enc) views.push_back(*e.view());
+  for (auto& r : c.results) views.push_back(*r->view());
   SinkCapture got;
   twk_sink_v1 sink = got.sink();
   if (fn(views.data(), static_cast<std::uint32_t>(views.size()), mesh_abi_[c.group]->view(),
@@ -412,7 +410,7 @@ Value CallTable::collect(Call& c, const std::string& prefix) {
     throw CallError(fmt::format("{}: custom collect {} failed: {}", prefix,
                                 c.method->custom_collect, got.error.value_or("no value")));
   }
-  return std::move(*got.value);
+  return encode(*got.value);
 }
 
 void CallTable::release(std::uint64_t future) {

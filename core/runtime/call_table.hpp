@@ -58,38 +58,40 @@ struct LostWorker {
   std::vector<std::string> calls;  // its outstanding calls: "Model.step (driver caller: t.cpp:9)"
 };
 
-// The instances and outstanding calls of a caller over a worker channel (DESIGN.md sections 5, 7,
-// 10b): it dispatches arguments, sends, collects results, and fails what a lost or late worker
-// cannot answer. A lost worker is an event from the channel; from then on every wait fails with
-// it. The driver has one over its control channel; every worker has one over its connections to
-// the other workers (calls between groups), with ids from `id_base` so that instances made by
-// different callers never share an id. Used from one thread; blocking calls pump the channel
-// while they wait.
+// The instances and outstanding calls of a caller over a worker channel (docs/ARCHITECTURE.md,
+// Dispatch, execute and collect; Results and errors; Calls between groups): it dispatches
+// arguments, sends, collects results, and fails what a lost or late worker cannot answer. A lost
+// worker is an event from the channel; from then on every wait fails with it. The driver has one
+// over its control channel; every worker has one over its connections to the other workers (calls
+// between groups), with ids from `id_base` so that instances made by different callers never share
+// an id. Used from one thread; blocking calls pump the channel while they wait.
 class CallTable {
  public:
-  CallTable(transport::DriverChannel& channel, std::vector<GroupInfo> groups,
+  CallTable(transport::CallChannel& channel, std::vector<GroupInfo> groups,
             std::vector<WorkerInfo> workers, CustomFunctions custom, double timeout_s,
             std::uint64_t id_base = 0);
 
   // Waits for every worker's hello, up to `timeout`, then sends each its welcome(worker).
   // Throws CallError naming the workers that were lost or never said hello.
   void start(std::chrono::milliseconds timeout,
-             const std::function<Value(const WorkerInfo&)>& welcome);
+             const std::function<transport::proto::Welcome(const WorkerInfo&)>& welcome);
 
   // Constructs `cls` on every worker of `group` (a class with execute = peer and a `peer`
-  // caller: on its peer block only) and waits for all. Returns the instance handle. `extra`
-  // (a map) goes into the message as it is.
-  std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const Value& args,
-                       std::optional<PeerCaller> peer = std::nullopt, const Value& extra = {});
+  // caller: on its peer block only) and waits for all. Returns the instance handle. `chain`: the
+  // calls that led here (calls between groups).
+  std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const EncodedValue& args,
+                       std::optional<PeerCaller> peer = std::nullopt,
+                       const std::vector<transport::proto::ChainLink>& chain = {});
   // Makes an instance that another caller made on every worker of `group` callable here.
   void attach(std::uint64_t instance, const plugins::ClassInfo& cls, std::size_t group);
   // Dispatches and sends a call; returns its future at once. `caller` is "file.cpp:42"; `peer`
   // is the calling worker for execute = peer (none: the driver, every worker).
-  std::uint64_t call(std::uint64_t instance, std::string_view method, const Value& args,
+  std::uint64_t call(std::uint64_t instance, std::string_view method, const EncodedValue& args,
                      const std::string& caller, std::optional<PeerCaller> peer = std::nullopt,
-                     const Value& extra = {});
-  // Waits for a call and collects its results.
-  Value wait(std::uint64_t future);
+                     const std::vector<transport::proto::ChainLink>& chain = {});
+  // Waits for a call and collects its results. A single worker's result under collect first or
+  // none comes as that worker sent it, without being decoded.
+  EncodedValue wait(std::uint64_t future);
   // The driver no longer wants the result; late answers are dropped.
   void release(std::uint64_t future);
 
@@ -139,7 +141,7 @@ class CallTable {
     std::size_t group = 0;
     const plugins::MethodInfo* method = nullptr;
     std::vector<int> workers;
-    std::vector<std::optional<Value>> results;
+    std::vector<std::optional<EncodedValue>> results;
     std::map<std::size_t, std::string> errors;  // position -> message
     std::size_t answered = 0;
     double timeout_s = 0;
@@ -151,9 +153,9 @@ class CallTable {
   void on_lost(std::size_t peer, const std::string& reason);
   void check_failed(const std::string& what) const;
   std::string lost_text(std::size_t peer, const std::string& reason) const;
-  Value collect(Call& c, const std::string& prefix);
+  EncodedValue collect(Call& c, const std::string& prefix);
 
-  transport::DriverChannel& channel_;
+  transport::CallChannel& channel_;
   std::vector<GroupInfo> groups_;
   std::vector<WorkerInfo> workers_;                 // by channel peer
   std::vector<std::unique_ptr<MeshAbi>> mesh_abi_;  // by group, for custom functions

@@ -47,7 +47,7 @@ namespace twinkle::core {
 namespace {
 
 using transport::Message;
-using transport::MsgType;
+namespace proto = transport::proto;
 
 // How long workers have to say hello, and to exit after an orderly shutdown.
 constexpr auto kStartTimeout = std::chrono::seconds(60);
@@ -90,7 +90,7 @@ const char* signal_name(int sig) {
   return "a signal";
 }
 
-class JobRun : public DriverOps {
+class JobRun : public HostOps {
  public:
   explicit JobRun(const RunOptions& o) : options_(o) {}
   // The stop signals stay blocked: a second Ctrl-C while `twinkle` exits must not turn a clean
@@ -148,7 +148,7 @@ class JobRun : public DriverOps {
       return finish(false, e.what());
     }
 
-    twk_host_v1 host = driver_host_table();
+    twk_host_v1 host = host_table();
     EncodedValue args = encode(job_.args);
     twk_context_v1 ctx{};
     ctx.size = sizeof ctx;
@@ -158,7 +158,7 @@ class JobRun : public DriverOps {
     ctx.group = "";
     ctx.device = "";
     ctx.args = args.view();
-    ctx.host_ctx = static_cast<DriverOps*>(this);
+    ctx.host_ctx = static_cast<HostOps*>(this);
     const std::string job_dir = std::filesystem::absolute(job_.file).parent_path().string();
     ctx.job_dir = job_dir.c_str();
     SinkCapture result;
@@ -168,7 +168,7 @@ class JobRun : public DriverOps {
     return finish(ok, result.error.value_or(ok ? "" : "the driver entry failed"));
   }
 
-  // ----- DriverOps: what the plugin's driver entry calls ------------------------------------
+  // ----- HostOps: what the plugin's driver entry calls ------------------------------------
 
   void log(std::int32_t level, std::string_view message) override {
     std::FILE* out = level >= TWK_LOG_WARN ? stderr : stdout;
@@ -194,7 +194,7 @@ class JobRun : public DriverOps {
       throw CallError(fmt::format("create {}: the job has no group \"{}\" (it has: {}); see {}",
                                   cls_name, group, fmt::join(names, ", "), job_.file.string()));
     }
-    return table_->create(*cls, *gi, decode(args));
+    return table_->create(*cls, *gi, channel_->adopt(args));
   }
 
   std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
@@ -202,7 +202,7 @@ class JobRun : public DriverOps {
     return table_->call(instance, method, channel_->adopt(args), caller);
   }
 
-  Value wait(std::uint64_t future) override { return table_->wait(future); }
+  EncodedValue wait(std::uint64_t future) override { return table_->wait(future); }
 
   // A communicator across groups: each member learns its rank now (before any call that uses
   // it, on the same ordered channel); the backend is made when the members first use it.
@@ -269,16 +269,10 @@ class JobRun : public DriverOps {
       comms_.erase(name);
       throw CallError(fmt::format("communicator \"{}\" has no members", name));
     }
-    Value list = Value::list();
-    for (const auto& n : names) list.push_back(n);
     for (std::size_t r = 0; r < peers.size(); ++r) {
-      channel_->send(
-          peers[r],
-          Message{MsgType::comm_join, 0,
-                  Value::map({{"name", name},
-                              {"rank", static_cast<int>(r)},
-                              {"members", list},
-                              {"timeout_s", timeout_s > 0 ? timeout_s : job_.timeout_s}})});
+      channel_->send(peers[r],
+                     Message{0, proto::CommJoin{name, static_cast<int>(r), names,
+                                                timeout_s > 0 ? timeout_s : job_.timeout_s}});
     }
   }
   void release(std::uint64_t future) noexcept override { table_->release(future); }
@@ -377,9 +371,7 @@ class JobRun : public DriverOps {
       for (std::size_t i = 0; i < table_->workers().size(); ++i) {
         if (i == lost) continue;
         try {
-          channel_->send(
-              i, Message{MsgType::peer_lost, 0,
-                         Value::map({{"peer", static_cast<std::int64_t>(lost)}, {"text", text}})});
+          channel_->send(i, Message{0, proto::PeerLost{lost, text}});
         } catch (const TransportError&) {
           // Gone too: the launcher reports it.
         }
@@ -410,39 +402,33 @@ class JobRun : public DriverOps {
 
   // What every worker needs for its calls to other groups: the groups (meshes, workers) and the
   // workers (names, where they serve).
-  Value peers_book() const {
-    Value groups = Value::list(), workers = Value::list();
+  void fill_book(proto::Welcome& w) const {
     for (const auto& g : table_->groups()) {
-      Value peers = Value::list();
-      for (std::size_t p : g.peers) peers.push_back(static_cast<std::int64_t>(p));
-      groups.push_back(
-          Value::map({{"name", g.name}, {"mesh", mesh_to_value(g.mesh)}, {"peers", peers}}));
+      proto::GroupEntry e{g.name, mesh_to_value(g.mesh), {}};
+      for (std::size_t p : g.peers) e.peers.push_back(p);
+      w.groups.push_back(std::move(e));
     }
-    for (const auto& w : table_->workers()) {
-      workers.push_back(Value::map({{"name", w.name},
-                                    {"group", static_cast<std::int64_t>(w.group)},
-                                    {"index", w.index},
-                                    {"pid", w.pid},
-                                    {"host", w.host},
-                                    {"serve", w.serve}}));
+    for (const auto& x : table_->workers()) {
+      w.workers.push_back(proto::WorkerEntry{x.name, x.group, x.index, x.pid, x.host, x.serve});
     }
-    return Value::map({{"groups", groups}, {"workers", workers}});
   }
 
-  Value welcome(const WorkerInfo& w) {
-    if (!book_) book_ = peers_book();
+  proto::Welcome welcome(const WorkerInfo& w) {
+    if (!book_) {
+      book_.emplace();
+      fill_book(*book_);
+    }
     const GroupSpec& g = job_.groups.at(w.group);
-    const std::size_t self = table_->groups()[w.group].peers[static_cast<std::size_t>(w.index)];
-    return Value::map({{"job", job_.name},
-                       {"groups", (*book_)["groups"]},
-                       {"workers", (*book_)["workers"]},
-                       {"self", static_cast<std::int64_t>(self)},
-                       {"args", job_.args},
-                       {"mesh", mesh_to_value(g.mesh)},
-                       {"device", std::string(to_string(g.device))},
-                       {"kv", kv_->endpoint()},
-                       {"collectives", collectives_},
-                       {"timeout_s", job_.timeout_s}});
+    proto::Welcome out = *book_;
+    out.job = job_.name;
+    out.self = table_->groups()[w.group].peers[static_cast<std::size_t>(w.index)];
+    out.args = job_.args;
+    out.mesh = mesh_to_value(g.mesh);
+    out.device = to_string(g.device);
+    out.kv = kv_->endpoint();
+    out.collectives = collectives_;
+    out.timeout_s = job_.timeout_s;
+    return out;
   }
 
   // ----- signals ----------------------------------------------------------------------------
@@ -519,7 +505,7 @@ class JobRun : public DriverOps {
       launcher_->expect_exits();
       for (std::size_t i = 0; i < table_->workers().size(); ++i) {
         try {
-          channel_->send(i, Message{MsgType::shutdown, 0, Value()});
+          channel_->send(i, Message{0, proto::Shutdown{}});
         } catch (const TransportError&) {
           // Already gone: the launcher reaps it.
         }
@@ -551,8 +537,8 @@ class JobRun : public DriverOps {
   twk_driver_fn driver_fn_ = nullptr;
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
-  std::set<std::string> comms_;  // communicators across groups, by name
-  std::optional<Value> book_;    // the workers' address book (welcome)
+  std::set<std::string> comms_;         // communicators across groups, by name
+  std::optional<proto::Welcome> book_;  // the workers' address book (welcome)
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
   std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;

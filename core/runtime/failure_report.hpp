@@ -16,7 +16,7 @@ struct FailureFacts {
   std::string error;               // what the driver entry (or the start-up) reported
 };
 
-// The one summary a failed run prints (DESIGN.md section 7), root cause first:
+// The one summary a failed run prints (docs/ARCHITECTURE.md, Results and errors), root cause first:
 //   twinkle: job "digits" failed (run 1a2b3c4d)
 //     root cause: worker model:2 (host h, pid 42) exited with code 3; its last stderr lines:
 //       | ...

@@ -1,8 +1,11 @@
 #include "core/runtime/host_abi.hpp"
 
+#include "transports/shm/segment.hpp"
+#include "twinkle/errors.hpp"
+
 #include <cstdio>
 #include <exception>
-#include <filesystem>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -15,6 +18,15 @@ twk_sink_v1 SinkCapture::sink() {
             self->value = self->adopt ? self->adopt(*v) : decode(*v);
           },
           [](void* t, const char* m) { static_cast<SinkCapture*>(t)->error = m ? m : ""; }};
+}
+
+twk_sink_v1 EncodedSinkCapture::sink() {
+  return {this,
+          [](void* t, const twk_value_v1* v) {
+            auto* self = static_cast<EncodedSinkCapture*>(t);
+            self->value = self->adopt ? self->adopt(*v) : transport::adopt_copy(*v);
+          },
+          [](void* t, const char* m) { static_cast<EncodedSinkCapture*>(t)->error = m ? m : ""; }};
 }
 
 MeshAbi::MeshAbi(const DeviceMesh& mesh) {
@@ -54,11 +66,21 @@ std::int32_t guarded(twk_sink_v1* sink, F&& f) {
   }
 }
 
-DriverOps& ops(void* c) { return *static_cast<DriverOps*>(c); }
+HostOps& ops(void* c) { return *static_cast<HostOps*>(c); }
+
+// "train.cpp:42" for a call site (the file without its folders).
+std::string call_site(const char* file, std::uint32_t line) {
+  std::string_view f = file ? file : "?";
+  if (const auto slash = f.rfind('/'); slash != std::string_view::npos) f.remove_prefix(slash + 1);
+  std::string out(f);
+  out += ':';
+  out += std::to_string(line);
+  return out;
+}
 
 }  // namespace
 
-twk_host_v1 driver_host_table() {
+twk_host_v1 host_table() {
   twk_host_v1 h{};
   h.size = sizeof h;
   h.abi_version = TWK_ABI_VERSION;
@@ -71,20 +93,21 @@ twk_host_v1 driver_host_table() {
   };
   h.create = [](void* c, const char* cls, const char* group, const twk_value_v1* args,
                 std::uint64_t* handle, twk_sink_v1* err) {
-    return guarded(err,
-                   [&] { *handle = ops(c).create(cls ? cls : "", group ? group : "", *args); });
+    return guarded(err, [&] {
+      if (!args) throw Error("create: no arguments (a null value)");
+      *handle = ops(c).create(cls ? cls : "", group ? group : "", *args);
+    });
   };
   h.call = [](void* c, std::uint64_t instance, const char* method, const twk_value_v1* args,
               const char* file, std::uint32_t line, std::uint64_t* future, twk_sink_v1* err) {
     return guarded(err, [&] {
-      const std::string caller =
-          fmt::format("{}:{}", std::filesystem::path(file ? file : "?").filename().string(), line);
-      *future = ops(c).call(instance, method ? method : "", *args, caller);
+      if (!args) throw Error("call: no arguments (a null value)");
+      *future = ops(c).call(instance, method ? method : "", *args, call_site(file, line));
     });
   };
   h.wait = [](void* c, std::uint64_t future, twk_sink_v1* out) {
     return guarded(out, [&] {
-      EncodedValue e = encode(ops(c).wait(future));
+      EncodedValue e = ops(c).wait(future);
       if (out && out->set_value) out->set_value(out->target, e.view());
     });
   };

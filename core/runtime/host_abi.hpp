@@ -24,6 +24,15 @@ struct SinkCapture {
   twk_sink_v1 sink();
 };
 
+// The same for a value that is passed on without being decoded (a worker's reply): `adopt` copies
+// it out of the plugin's memory, by default with adopt_copy.
+struct EncodedSinkCapture {
+  std::optional<EncodedValue> value;
+  std::optional<std::string> error;
+  std::function<EncodedValue(const twk_value_v1&)> adopt;
+  twk_sink_v1 sink();
+};
+
 // A DeviceMesh in the plugin ABI's form (twk_mesh_v1), owning the arrays it points into.
 // Not copyable (the view points into itself).
 class MeshAbi {
@@ -43,26 +52,28 @@ class MeshAbi {
   twk_mesh_v1 view_{};
 };
 
-// What a driver entry can ask of the runtime. Errors are exceptions; the host table turns them
-// into TWK_ERROR and a message for the plugin (nothing throws across the ABI).
-class DriverOps {
+// What plugin code can ask of the runtime that hosts it: a driver entry (the driver) or a worker
+// method (a worker, for its calls between groups). Errors are exceptions; the host table turns
+// them into TWK_ERROR and a message for the plugin (nothing throws across the ABI).
+class HostOps {
  public:
-  virtual ~DriverOps() = default;
+  virtual ~HostOps() = default;
   virtual void log(std::int32_t level, std::string_view message) = 0;
   virtual std::uint64_t create(std::string_view cls, std::string_view group,
                                const twk_value_v1& args) = 0;
   // `caller` is "file.cpp:42".
   virtual std::uint64_t call(std::uint64_t instance, std::string_view method,
                              const twk_value_v1& args, const std::string& caller) = 0;
-  virtual Value wait(std::uint64_t future) = 0;
+  // The collected result, encoded (the host table hands it to the plugin as it is).
+  virtual EncodedValue wait(std::uint64_t future) = 0;
   virtual void release(std::uint64_t future) noexcept = 0;
   virtual void comm_create(std::string_view name, const Value& members, double timeout_s) = 0;
   // Makes an instance made elsewhere (a handle passed as an argument) callable from here.
   virtual void attach(std::string_view cls, std::string_view group, std::uint64_t instance) = 0;
 };
 
-// The host table for driver entries (and the calls of worker methods); its host context must be a
-// DriverOps*.
-twk_host_v1 driver_host_table();
+// The host table's log, create, call, wait, release, comm_create and attach; its host context
+// must be a HostOps*. Workers add the collectives.
+twk_host_v1 host_table();
 
 }  // namespace twinkle::core

@@ -25,7 +25,7 @@ struct WorkerLaunch {
 };
 
 // Starts the workers of a run wherever they run and reports each one it loses to the driver's
-// channel (DriverChannel::lost). The local launcher starts processes on this machine; remote mode
+// channel (CallChannel::lost). The local launcher starts processes on this machine; remote mode
 // starts them through node agents. The driver never knows which one it has.
 class Launcher {
  public:
@@ -41,8 +41,9 @@ class Launcher {
   virtual void kill_now() const noexcept = 0;
 };
 
-// What a remote-mode run gets from its cluster (DESIGN.md section 10). core/cluster implements
-// it; the cli hands run_job a way to connect to one, so the driver never sees the head's protocol.
+// What a remote-mode run gets from its cluster (docs/ARCHITECTURE.md, Remote mode). core/cluster
+// implements it; the cli hands run_job a way to connect to one, so the driver never sees the head's
+// protocol.
 class RemoteSite {
  public:
   virtual ~RemoteSite() = default;
@@ -70,7 +71,7 @@ class RemoteSite {
   };
   // The launcher of the reserved run: it starts workers through the nodes' agents.
   virtual std::unique_ptr<Launcher> launcher(const Job& job, const Placement& placement,
-                                             Launch launch, transport::DriverChannel& channel) = 0;
+                                             Launch launch, transport::CallChannel& channel) = 0;
 };
 
 struct LocalLaunchOptions {

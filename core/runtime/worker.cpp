@@ -37,6 +37,8 @@ namespace {
 
 using transport::Message;
 using transport::MsgType;
+namespace proto = transport::proto;
+using Chain = std::vector<proto::ChainLink>;
 
 // How often a worker waiting for another group looks for a cycle of calls (probes).
 constexpr auto kProbeInterval = std::chrono::milliseconds(300);
@@ -84,7 +86,6 @@ void log_line(void*, std::int32_t level, const char* message) {
 
 // A received value shared with the plugin without a copy (twk_value_v1 retain/release).
 struct SharedArgs {
-  Value value;
   EncodedValue encoded;
   std::atomic<int> refs{1};
   static void retain(void* p) { ++static_cast<SharedArgs*>(p)->refs; }
@@ -101,11 +102,10 @@ struct Shared {
   twk_value_v1 view;
 };
 
-Shared share(Value v) {
+Shared share(EncodedValue v) {
   auto* s = new SharedArgs;
-  s->value = std::move(v);
+  s->encoded = std::move(v);
   Shared out{{s, [](SharedArgs* p) { SharedArgs::release(p); }}, {}};
-  s->encoded = encode(s->value);
   out.view = *s->encoded.view();
   out.view.owner = s;
   out.view.retain = &SharedArgs::retain;
@@ -113,10 +113,11 @@ Shared share(Value v) {
   return out;
 }
 
-// A worker: runs the calls of its driver and, for calls between groups (DESIGN.md 10b), those of
-// other workers, one at a time; and calls other groups itself through a call table of its own
-// (the DriverOps that the plugin's Context::create/handle and Handle::call reach).
-class Worker : public DriverOps {
+// A worker: runs the calls of its driver and, for calls between groups (docs/ARCHITECTURE.md, Calls
+// between groups), those of other workers, one at a time; and calls other groups itself through a
+// call table of its own (the HostOps that the plugin's Context::create/handle and Handle::call
+// reach).
+class Worker : public HostOps {
  public:
   Worker(const WorkerOptions& o, plugins::Plugin plugin) : options_(o), plugin_(std::move(plugin)) {
     name_ = env_str("TWINKLE_WORKER_NAME");
@@ -149,8 +150,8 @@ class Worker : public DriverOps {
       link_ =
           transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
     }
-    // create/call/wait/release/attach as in a driver entry (DriverOps); the collectives below.
-    host_ = driver_host_table();
+    // create/call/wait/release/attach as in a driver entry (HostOps); the collectives below.
+    host_ = host_table();
     host_.log = &log_line;
     host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size,
                          twk_sink_v1* err) {
@@ -194,35 +195,45 @@ class Worker : public DriverOps {
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     serve_ = std::make_unique<transport::ServeSocket>(zmq_, serve_endpoint(), security_);
-    send(MsgType::hello, 0,
-         Value::map({{"name", name_},
-                     {"group", group_},
-                     {"rank", rank_},
-                     {"pid", static_cast<int>(getpid())},
-                     {"host", std::string(host)},
-                     {"serve", serve_->endpoint()}}));
-    auto welcome = link_->recv(std::chrono::seconds(60));
-    if (!welcome || welcome->type != MsgType::welcome) {
-      std::fprintf(stderr, "twinkle worker %s: no welcome from the driver at %s\n", name_.c_str(),
-                   options_.endpoint.c_str());
+    link_->send(Message{0, proto::Hello{name_, group_, rank_, static_cast<int>(getpid()),
+                                        std::string(host), serve_->endpoint()}});
+    std::optional<proto::Welcome> welcome;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!welcome) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        std::fprintf(stderr, "twinkle worker %s: no welcome from the driver at %s\n", name_.c_str(),
+                     options_.endpoint.c_str());
+        return false;
+      }
+      auto m = link_->recv(left);
+      if (!m) continue;
+      if (auto* w = m->get<proto::Welcome>()) {
+        welcome = std::move(*w);
+      } else if (m->get<proto::Shutdown>()) {
+        return true;
+      }
+    }
+    try {
+      job_ = welcome->job;
+      args_ = encode(welcome->args);
+      mesh_ = std::make_unique<DeviceMesh>(mesh_from_value(welcome->mesh));
+      mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
+      device_ = welcome->device;
+      kv_endpoint_ = welcome->kv;
+      collectives_ = welcome->collectives;
+      timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->timeout_s * 1000));
+      peers_from(*welcome);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "twinkle worker %s: the driver's welcome does not fit this worker: %s\n",
+                   name_.c_str(), e.what());
       return false;
     }
-    job_ = welcome->body["job"].as<std::string>();
-    args_ = encode(welcome->body["args"]);
-    mesh_ = std::make_unique<DeviceMesh>(mesh_from_value(welcome->body["mesh"]));
-    mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
-    device_ = welcome->body["device"].as<std::string>();
-    kv_endpoint_ = welcome->body["kv"].as<std::string>();
-    collectives_ = welcome->body["collectives"].as<std::string>();
-    timeout_ = std::chrono::milliseconds(
-        static_cast<std::int64_t>(welcome->body["timeout_s"].as<double>() * 1000));
-    peers_from(welcome->body);
 
     // One call at a time, in arrival order, from the driver or from other workers. While a call
     // waits for another group, PeerChannel::next runs the same handlers: they queue what must
     // wait and answer at once what would otherwise never finish (a cycle of calls).
-    zmq::pollitem_t items[2] = {{link_->socket().handle(), 0, ZMQ_POLLIN, 0},
-                                {serve_->socket().handle(), 0, ZMQ_POLLIN, 0}};
     for (;;) {
       if (!queue_.empty()) {
         Pending p = std::move(queue_.front());
@@ -230,13 +241,16 @@ class Worker : public DriverOps {
         if (!run_one(p)) return true;
         continue;
       }
-      zmq::poll(items, 2, std::chrono::milliseconds(-1));
-      if (items[0].revents & ZMQ_POLLIN) on_link_ready();
-      if (items[1].revents & ZMQ_POLLIN) on_serve_ready();
+      // Both sockets are read until empty before waiting (wait_readable's condition).
+      on_link_ready();
+      on_serve_ready();
+      if (queue_.empty())
+        transport::wait_readable({link_->socket(), serve_->socket()}, -1,
+                                 std::chrono::milliseconds(-1));
     }
   }
 
-  // ----- DriverOps: this worker's calls to other groups -------------------------------------
+  // ----- HostOps: this worker's calls to other groups -------------------------------------
 
   void log(std::int32_t level, std::string_view message) override {
     log_line(nullptr, level, std::string(message).c_str());
@@ -246,17 +260,16 @@ class Worker : public DriverOps {
                        const twk_value_v1& args) override {
     const plugins::ClassInfo& cls = known_class(cls_name, "create");
     const std::size_t gi = known_group(group, "create " + std::string(cls_name));
-    return table_->create(cls, gi, decode(args), PeerCaller{rank_, world_},
-                          Value::map({{"chain", chain_}, {"caller", ""}}));
+    return table_->create(cls, gi, peers_->adopt(args), PeerCaller{rank_, world_}, chain_);
   }
 
   std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
                      const std::string& caller) override {
     return table_->call(instance, method, peers_->adopt(args), caller, PeerCaller{rank_, world_},
-                        Value::map({{"chain", chain_}}));
+                        chain_);
   }
 
-  Value wait(std::uint64_t future) override { return table_->wait(future); }
+  EncodedValue wait(std::uint64_t future) override { return table_->wait(future); }
   void release(std::uint64_t future) noexcept override { table_->release(future); }
 
   void comm_create(std::string_view name, const Value&, double) override {
@@ -290,7 +303,7 @@ class Worker : public DriverOps {
   };
 
   static Worker* self(void* host_ctx) {
-    return static_cast<Worker*>(static_cast<DriverOps*>(host_ctx));
+    return static_cast<Worker*>(static_cast<HostOps*>(host_ctx));
   }
 
   // Local workers serve on a Unix socket in the run folder; remote ones on TCP at their node's
@@ -306,31 +319,31 @@ class Worker : public DriverOps {
   }
 
   // The run's groups and workers (the welcome), for this worker's calls to other groups.
-  void peers_from(const Value& welcome) {
+  void peers_from(const proto::Welcome& welcome) {
     std::vector<GroupInfo> groups;
-    for (const auto& g : welcome["groups"]) {
+    for (const auto& g : welcome.groups) {
       GroupInfo info;
-      info.name = g["name"].as<std::string>();
-      info.mesh = mesh_from_value(g["mesh"]);
-      for (const auto& p : g["peers"]) info.peers.push_back(p.as<std::size_t>());
+      info.name = g.name;
+      info.mesh = mesh_from_value(g.mesh);
+      for (const auto p : g.peers) info.peers.push_back(p);
       groups.push_back(std::move(info));
     }
     std::vector<WorkerInfo> workers;
     std::vector<std::string> names, endpoints;
-    for (const auto& w : welcome["workers"]) {
+    for (const auto& w : welcome.workers) {
       WorkerInfo info;
-      info.name = w["name"].as<std::string>();
-      info.group = w["group"].as<std::size_t>();
-      info.index = w["index"].as<int>();
-      info.pid = w["pid"].as<int>();
-      info.host = w["host"].as<std::string>();
-      info.serve = w["serve"].as<std::string>();
+      info.name = w.name;
+      info.group = w.group;
+      info.index = w.index;
+      info.pid = w.pid;
+      info.host = w.host;
+      info.serve = w.serve;
       info.ready = true;
       names.push_back(info.name);
       endpoints.push_back(info.serve);
       workers.push_back(std::move(info));
     }
-    self_ = welcome["self"].as<std::size_t>();
+    self_ = welcome.self;
     remember_peer_sockets(endpoints);
     transport::SocketSecurity client;
     if (security_.keys) {
@@ -386,28 +399,20 @@ class Worker : public DriverOps {
   // Messages from the driver: a lost worker and a communicator's membership take effect at
   // once (a call in progress may need them); the rest waits its turn.
   void on_link_ready() {
-    for (;;) {
-      std::optional<Message> m;
-      try {
-        m = link_->recv(std::chrono::milliseconds(0));
-      } catch (const TransportError& e) {
-        std::fprintf(stderr, "twinkle worker %s: dropped a message from the driver: %s\n",
-                     name_.c_str(), e.what());
-        continue;
-      }
-      if (!m) return;
-      if (m->type == MsgType::peer_lost) {
-        if (peers_)
-          peers_->lost(m->body["peer"].as<std::size_t>(), m->body["text"].as<std::string>());
-      } else if (m->type == MsgType::comm_join) {
+    while (auto m = link_->recv(std::chrono::milliseconds(0))) {
+      if (auto* lost = m->get<proto::PeerLost>()) {
+        if (peers_) peers_->lost(lost->peer, std::move(lost->text));
+      } else if (auto* join = m->get<proto::CommJoin>()) {
         Cross c;
-        c.rank = m->body["rank"].as<int>();
-        c.members = m->body["members"].as<std::vector<std::string>>();
-        c.timeout = std::chrono::milliseconds(
-            static_cast<std::int64_t>(m->body["timeout_s"].as<double>() * 1000));
-        cross_[m->body["name"].as<std::string>()] = std::move(c);
-      } else {
+        c.rank = join->rank;
+        c.members = std::move(join->members);
+        c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(join->timeout_s * 1000));
+        cross_[join->name] = std::move(c);
+      } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>()) {
         queue_.push_back(Pending{"", std::move(*m)});
+      } else {
+        link_drops_.drop(fmt::format("a {} message from the driver is not for a worker",
+                                     transport::to_string(m->type())));
       }
     }
   }
@@ -419,26 +424,26 @@ class Worker : public DriverOps {
       Message& m = r->message;
       if (!peer_index(r->from)) {
         // Not a worker of this run (it cannot be one: they all are in the address book).
-        std::fprintf(stderr,
-                     "twinkle worker %s: dropped a %s message from \"%s\", not a worker of "
-                     "this run\n",
-                     name_.c_str(), transport::to_string(m.type), r->from.substr(0, 64).c_str());
+        serve_drops_.drop(fmt::format("a {} message from \"{}\", not a worker of this run",
+                                      transport::to_string(m.type()), r->from.substr(0, 64)));
         continue;
       }
-      if (m.type == MsgType::probe) {
-        on_probe(m.body);
+      if (auto* probe = m.get<proto::Probe>()) {
+        on_probe(*probe);
         continue;
       }
-      if (m.type != MsgType::create && m.type != MsgType::call) {
-        std::fprintf(stderr, "twinkle worker %s: unexpected %s message from worker %s ignored\n",
-                     name_.c_str(), transport::to_string(m.type), r->from.c_str());
+      if (!m.get<proto::Create>() && !m.get<proto::Call>()) {
+        serve_drops_.drop(fmt::format("a {} message from worker {} is not a call",
+                                      transport::to_string(m.type()), r->from));
         continue;
       }
       if (busy_) {
         if (auto cycle = find_cycle(*r)) {
-          const MsgType answer = m.type == MsgType::create ? MsgType::created : MsgType::reply;
-          serve_->reply(r->from,
-                        Message{answer, m.id, Value::map({{"ok", false}, {"error", *cycle}})});
+          if (m.get<proto::Create>()) {
+            serve_->reply(r->from, Message{m.id, proto::Created{*cycle}});
+          } else {
+            serve_->reply(r->from, Message{m.id, proto::Reply{*cycle, {}}});
+          }
           continue;
         }
       }
@@ -453,9 +458,7 @@ class Worker : public DriverOps {
     return std::nullopt;
   }
 
-  std::string current_frame() const {
-    return chain_.size() > 0 ? frame_text(chain_[chain_.size() - 1]) : name_;
-  }
+  std::string current_frame() const { return chain_.empty() ? name_ : frame_text(chain_.back()); }
 
   // Cycles through several workers (each waits on the next, the last on the first) are found by
   // probes (edge chasing): a worker that waits sends one along each call it waits for; a worker
@@ -465,88 +468,86 @@ class Worker : public DriverOps {
     if (!busy_) return;
     const auto waits = table_->waiting_peers();
     if (waits.empty()) return;
-    forward(Value::map({{"origin", name_},
-                        {"token", token_},
-                        {"nodes", Value::list({Value(name_)})},
-                        {"path", Value::list({Value(current_frame())})}}),
-            waits);
+    forward(proto::Probe{name_, token_, {name_}, {current_frame()}}, waits);
   }
 
-  void forward(const Value& probe, const std::vector<std::size_t>& to) {
+  void forward(const proto::Probe& probe, const std::vector<std::size_t>& to) {
     for (std::size_t p : to) {
       try {
-        peers_->send(p, Message{MsgType::probe, 0, probe});
+        peers_->send(p, Message{0, probe});
       } catch (const TransportError&) {
         // That worker is gone: the driver tells everyone.
       }
     }
   }
 
-  void on_probe(Value& probe) {
-    if (!busy_ || !probe.is_map() || !probe["nodes"].is_list() || !probe["path"].is_list()) return;
-    const std::string origin = text_of(probe, "origin");
-    if (origin == name_) {
-      if (probe["token"].as<std::uint64_t>() != token_ || probe["nodes"].size() < 2) return;
-      const auto first = peer_index(probe["nodes"][1].as<std::string>());
+  void on_probe(proto::Probe& probe) {
+    if (!busy_) return;
+    if (probe.origin == name_) {
+      if (probe.token != token_ || probe.nodes.size() < 2) return;
+      const auto first = peer_index(probe.nodes[1]);
       if (!first) return;
-      std::vector<std::string> path;
-      for (const auto& p : probe["path"]) path.push_back(p.as<std::string>());
       table_->fail_waiting(
           *first,
           fmt::format("deadlock: a cycle of calls that wait on each other: {} -> {}; a worker "
                       "runs one call at a time, so none of them could finish. Return what the "
                       "caller needs instead of calling back",
-                      fmt::join(path, " -> "), name_));
+                      fmt::join(probe.path, " -> "), name_));
       peers_->wake();  // the waiting call sees its error now
       return;
     }
-    for (const auto& n : probe["nodes"]) {
-      if (n.as<std::string>() == name_) return;  // a cycle that the others report
+    for (const auto& n : probe.nodes) {
+      if (n == name_) return;  // a cycle that the others report
     }
     const auto waits = table_->waiting_peers();
     if (waits.empty()) return;
-    probe["nodes"].push_back(name_);
-    probe["path"].push_back(current_frame());
+    probe.nodes.push_back(name_);
+    probe.path.push_back(current_frame());
     forward(probe, waits);
   }
 
   // "Trainer.step" for a request (the class from this worker's instances when it has it).
   std::string request_what(const Message& m) const {
-    if (m.type == MsgType::create) return m.body["class"].as<std::string>() + " constructor";
+    if (const auto* c = m.get<proto::Create>()) return c->cls + " constructor";
+    const auto* call = m.get<proto::Call>();
+    if (!call) return transport::to_string(m.type());
     std::string cls = "?";
-    if (auto it = instances_.find(m.body["instance"].as<std::uint64_t>()); it != instances_.end())
+    if (auto it = instances_.find(call->instance); it != instances_.end())
       cls = it->second.cls->name;
-    return cls + "." + m.body["method"].as<std::string>();
+    return cls + "." + call->method;
   }
 
-  static std::string text_of(const Value& v, std::string_view key) {
-    return v.is_map() && v.contains(key) && v[key].is_string() ? v[key].as<std::string>() : "";
+  static const Chain& chain_of(const Message& m) {
+    static const Chain none;
+    if (const auto* c = m.get<proto::Create>()) return c->chain;
+    if (const auto* c = m.get<proto::Call>()) return c->chain;
+    return none;
+  }
+
+  static std::string caller_of(const Message& m) {
+    if (const auto* c = m.get<proto::Call>()) return c->caller;
+    return "";
   }
 
   // "trainer:0 Trainer.step (called at train.cpp:12)"
-  static std::string frame_text(const Value& f) {
-    const std::string caller = text_of(f, "caller");
-    return fmt::format("{} {}{}", text_of(f, "worker"), text_of(f, "what"),
-                       caller.empty() ? "" : " (called at " + caller + ")");
+  static std::string frame_text(const proto::ChainLink& f) {
+    return fmt::format("{} {}{}", f.worker, f.what,
+                       f.caller.empty() ? "" : " (called at " + f.caller + ")");
   }
 
   // The cycle that running request `r` after the current call would close, as an error; nullopt
   // when there is none (the request waits its turn).
   std::optional<std::string> find_cycle(const transport::ServeSocket::Request& r) const {
     const Message& m = r.message;
-    const std::string caller = text_of(m.body, "caller");
+    const std::string caller = caller_of(m);
     const std::string asked = fmt::format("{} {}{}", name_, request_what(m),
                                           caller.empty() ? "" : " (called at " + caller + ")");
-    static const Value none = Value::list();
-    const Value& chain =
-        m.body.contains("chain") && m.body["chain"].is_list() ? m.body["chain"] : none;
+    const Chain& chain = chain_of(m);
     const std::string now = current_frame();
     std::vector<std::string> path;
     bool through_me = false;
     for (const auto& f : chain) {
-      if (!through_me && text_of(f, "worker") == name_ && f.contains("token") &&
-          f["token"].as<std::uint64_t>() == token_)
-        through_me = true;
+      if (!through_me && f.worker == name_ && f.token == token_) through_me = true;
       if (through_me) path.push_back(frame_text(f));
     }
     if (!through_me) {
@@ -554,7 +555,7 @@ class Worker : public DriverOps {
       const auto from = peer_index(r.from);
       const auto waits = table_->waiting_peers();  // the call in wait(), if any
       if (!from || std::find(waits.begin(), waits.end(), *from) == waits.end()) return std::nullopt;
-      path = {now, chain.size() > 0 ? frame_text(chain[chain.size() - 1]) : r.from};
+      path = {now, chain.empty() ? r.from : frame_text(chain.back())};
     }
     path.push_back(asked);
     return fmt::format(
@@ -566,7 +567,7 @@ class Worker : public DriverOps {
   // Runs one queued message; false after a shutdown.
   bool run_one(Pending& p) {
     const std::string from = p.from;
-    auto reply = [this, from](Message m) {
+    auto reply = [this, &from](Message m) {
       if (from.empty()) {
         link_->send(m);
       } else {
@@ -574,44 +575,33 @@ class Worker : public DriverOps {
       }
     };
     Message& m = p.message;
-    switch (m.type) {
-      case MsgType::create: execute(m, from, [&] { create(m, reply); }); break;
-      case MsgType::call: execute(m, from, [&] { call(m, reply, from.empty()); }); break;
-      case MsgType::shutdown:
-        for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
-        instances_.clear();
-        comms_.clear();
-        return false;
-      default:
-        std::fprintf(stderr, "twinkle worker %s: unexpected %s message ignored\n", name_.c_str(),
-                     transport::to_string(m.type));
+    if (auto* c = m.get<proto::Create>()) {
+      execute(m, from, [&] { reply(Message{m.id, create(*c, m.id)}); });
+    } else if (auto* c = m.get<proto::Call>()) {
+      execute(m, from, [&] { reply(Message{m.id, call(*c, from.empty())}); });
+    } else if (m.get<proto::Shutdown>()) {
+      for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
+      instances_.clear();
+      comms_.clear();
+      return false;
     }
     return true;
   }
 
-  // Runs `f` as this worker's current call: its frame ends the chain that its calls to other
+  // Runs `f` as this worker's current call: its link ends the chain that its calls to other
   // groups carry, so that a call back into it is recognised as a cycle.
   template <class F>
   void execute(const Message& m, const std::string& from, F&& f) {
-    Value chain =
-        m.body.contains("chain") && m.body["chain"].is_list() ? m.body["chain"] : Value::list();
-    if (from.empty()) {
-      chain = Value::list({Value::map({{"worker", std::string("driver")},
-                                       {"token", 0},
-                                       {"what", std::string("entry")},
-                                       {"caller", text_of(m.body, "caller")}})});
-    }
+    Chain chain = chain_of(m);
+    if (from.empty()) chain = {proto::ChainLink{"driver", 0, "entry", caller_of(m)}};
     token_ = ++tokens_;
     chain.push_back(
-        Value::map({{"worker", name_},
-                    {"token", token_},
-                    {"what", request_what(m)},
-                    {"caller", from.empty() ? std::string() : text_of(m.body, "caller")}}));
+        proto::ChainLink{name_, token_, request_what(m), from.empty() ? "" : caller_of(m)});
     chain_ = std::move(chain);
     busy_ = true;
     f();
     busy_ = false;
-    chain_ = Value::list();
+    chain_.clear();
   }
 
   static DType checked_dtype(std::int32_t d) {
@@ -736,63 +726,40 @@ class Worker : public DriverOps {
     c.device = device_.c_str();
     c.mesh = mesh_abi_->view();
     c.args = const_cast<EncodedValue&>(args_).view();
-    c.host_ctx = static_cast<DriverOps*>(const_cast<Worker*>(this));
+    c.host_ctx = static_cast<HostOps*>(const_cast<Worker*>(this));
     return c;
   }
 
-  void send(MsgType t, std::uint64_t id, Value body) {
-    link_->send(Message{t, id, std::move(body)});
-  }
-
-  using Reply = std::function<void(Message)>;
-
-  void create(const Message& m, const Reply& reply) {
-    auto send = [&](MsgType t, std::uint64_t id, Value body) {
-      reply(Message{t, id, std::move(body)});
-    };
-    const std::string cls_name = m.body["class"].as<std::string>();
-    const plugins::ClassInfo* cls = plugin_.find_class(cls_name);
-    if (!cls) {
-      send(MsgType::created, m.id,
-           Value::map({{"ok", false}, {"error", "the worker's plugin has no class " + cls_name}}));
-      return;
-    }
-    Shared args = share(m.body["args"]);
+  // Constructs instance `id` (the caller's handle).
+  proto::Created create(proto::Create& m, std::uint64_t id) {
+    const plugins::ClassInfo* cls = plugin_.find_class(m.cls);
+    if (!cls) return proto::Created{"the worker's plugin has no class " + m.cls};
+    Shared args = share(std::move(m.args));
     twk_context_v1 ctx = context();
     SinkCapture err;
     twk_sink_v1 sink = err.sink();
     void* self = nullptr;
-    if (cls->construct(&host_, &ctx, &args.view, &self, &sink) != TWK_OK) {
-      send(MsgType::created, m.id,
-           Value::map({{"ok", false}, {"error", err.error.value_or("constructor failed")}}));
-      return;
-    }
-    instances_[m.id] = Instance{cls, self};
-    send(MsgType::created, m.id, Value::map({{"ok", true}}));
+    if (cls->construct(&host_, &ctx, &args.view, &self, &sink) != TWK_OK)
+      return proto::Created{err.error.value_or("constructor failed")};
+    instances_[id] = Instance{cls, self};
+    return proto::Created{};
   }
 
-  void call(Message& m, const Reply& reply, bool from_driver) {
-    auto send = [&](MsgType t, std::uint64_t id, Value body) {
-      reply(Message{t, id, std::move(body)});
-    };
-    auto reply_error = [&](const std::string& e) {
-      send(MsgType::reply, m.id, Value::map({{"ok", false}, {"error", e}}));
-    };
-    auto it = instances_.find(m.body["instance"].as<std::uint64_t>());
-    if (it == instances_.end()) return reply_error("no such instance on this worker");
-    const std::string method = m.body["method"].as<std::string>();
-    const plugins::MethodInfo* mi = it->second.cls->find_method(method);
+  proto::Reply call(proto::Call& m, bool from_driver) {
+    auto it = instances_.find(m.instance);
+    if (it == instances_.end()) return proto::Reply{"no such instance on this worker", {}};
+    const plugins::MethodInfo* mi = it->second.cls->find_method(m.method);
     if (!mi)
-      return reply_error("class " + it->second.cls->name + " has no remote method " + method);
+      return proto::Reply{"class " + it->second.cls->name + " has no remote method " + m.method,
+                          {}};
 
     // Moved out of the message so that the arguments die with `args.hold` (below), before the
     // reply.
-    Shared args = share(std::move(m.body["args"]));
-    m.body.map_items().erase("args");
+    Shared args = share(std::move(m.args));
     twk_context_v1 ctx = context();
-    SinkCapture out;
+    EncodedSinkCapture out;
     out.adopt = [this, from_driver](const twk_value_v1& v) {
-      return from_driver ? link_->adopt(v) : transport::decode_to_shm(v, serve_->pool());
+      return from_driver ? link_->adopt(v) : transport::adopt_to_shm(v, serve_->pool());
     };
     twk_sink_v1 sink = out.sink();
     std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);
@@ -800,8 +767,9 @@ class Worker : public DriverOps {
     // tell the driver it may reuse them.
     args.hold.reset();
     if (rc != TWK_OK || out.error)
-      return reply_error(out.error.value_or("the method failed without a message"));
-    send(MsgType::reply, m.id, Value::map({{"ok", true}, {"value", out.value.value_or(Value())}}));
+      return proto::Reply{out.error.value_or("the method failed without a message"), {}};
+    if (!out.value) return proto::Reply{std::nullopt, encode(Value())};
+    return proto::Reply{std::nullopt, std::move(*out.value)};
   }
 
   WorkerOptions options_;
@@ -831,7 +799,9 @@ class Worker : public DriverOps {
   std::deque<Pending> queue_;                      // what waits its turn
   bool busy_ = false;                              // in a call (or a constructor)
   std::uint64_t tokens_ = 0, token_ = 0;           // the current call's number
-  Value chain_ = Value::list();                    // the current call's chain of frames
+  Chain chain_;                                    // the current call's chain of calls
+  transport::DropLog link_drops_{"the worker's link to its driver"};
+  transport::DropLog serve_drops_{"the socket for calls from other workers"};
 };
 
 }  // namespace

@@ -22,10 +22,10 @@ struct Rendezvous {
   int port = 0;
 };
 
-// The environment of worker `worker` of group `group` of `placement` (DESIGN.md sections 8 and
-// 10): `base` (the launcher's own environment) without the variables Twinkle owns, plus RANK,
-// WORLD_SIZE (in the group), LOCAL_RANK and LOCAL_WORLD_SIZE (among the group's workers on the
-// same node), GROUP_RANK (the node's index among the group's nodes), MASTER_ADDR/PORT,
+// The environment of worker `worker` of group `group` of `placement` (docs/ARCHITECTURE.md, Worker
+// environment): `base` (the launcher's own environment) without the variables Twinkle owns, plus
+// RANK, WORLD_SIZE (in the group), LOCAL_RANK and LOCAL_WORLD_SIZE (among the group's workers on
+// the same node), GROUP_RANK (the node's index among the group's nodes), MASTER_ADDR/PORT,
 // CUDA_VISIBLE_DEVICES (the worker's physical GPUs; empty for cpu workers), TWINKLE_GROUP,
 // TWINKLE_WORKER_NAME ("group:rank"), TWINKLE_GLOBAL_RANK, TWINKLE_MODE, TWINKLE_SEED,
 // TWINKLE_RUN_ID, and OMP_NUM_THREADS=1 unless `base` sets it. A pure function.

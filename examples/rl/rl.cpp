@@ -1,8 +1,9 @@
 // The rl example: on-policy reinforcement learning with three groups that call each other
-// (DESIGN.md 10b). A sampler generates rollouts with the current policy, a processor scores them
-// and calls its peer trainer worker directly, the trainer (dp = 2) takes a policy-gradient step,
-// and after every step the trainer's rank 0 broadcasts the weights to every sampler worker over
-// a communicator across groups; the driver checks that all copies are bit-identical.
+// (docs/ARCHITECTURE.md, Calls between groups). A sampler generates rollouts with the current
+// policy, a processor scores them and calls its peer trainer worker directly, the trainer (dp = 2)
+// takes a policy-gradient step, and after every step the trainer's rank 0 broadcasts the weights to
+// every sampler worker over a communicator across groups; the driver checks that all copies are
+// bit-identical.
 //
 // The task is a contextual bandit: a context c in 0..15 is drawn, the policy picks one of 4
 // actions, and the reward is 1 for the context's hidden best action, 0 otherwise. The policy is

@@ -24,7 +24,7 @@ BIN="$OUT/$TARGET"
 
 case $TARGET in
   fuzz_job) sources=(core/job/job.cpp core/job/mesh.cpp); libs=(-ltomlplusplus -lfmt) ;;
-  fuzz_message) sources=(transports/zmq/message.cpp transports/shm/segment.cpp); libs=(-lzmq -lfmt) ;;
+  fuzz_message) sources=(transports/zmq/message.cpp transports/zmq/protocol.cpp transports/shm/segment.cpp); libs=(-lzmq -lfmt) ;;
   fuzz_value) sources=(); libs=() ;;
   fuzz_plugin_file) sources=(plugins/loader.cpp); libs=(-lfmt -ldl) ;;
   *) echo "unknown fuzz target $TARGET" >&2; exit 1 ;;

@@ -128,7 +128,7 @@ PY
     config=$(dirname "$TWK")/twinkle_config.h
     version=$(sed -n 's/^#define TWINKLE_VERSION "\(.*\)"$/\1/p' "$config")
     abi=$(sed -n 's/^#define TWK_ABI_VERSION \([0-9]*\)u$/\1/p' "$SRC/plugins/include/twinkle/plugin.h")
-    protocol=$(sed -n 's/^inline constexpr std::uint16_t kProtocolVersion = \([0-9]*\);$/\1/p' "$SRC/transports/zmq/message.hpp")
+    protocol=$(sed -n 's/^inline constexpr std::uint16_t kProtocolVersion = \([0-9]*\);$/\1/p' "$SRC/transports/zmq/protocol.hpp")
     yes_no() { [ "$(sed -n "s/^#define $1 //p" "$config")" = 1 ] && echo yes || echo no; }
     [ -n "$version" ] && [ -n "$abi" ] && [ -n "$protocol" ] || fail "cannot read the versions from the sources"
     printf 'twinkle %s\nplugin ABI version: %s\nwire protocol version: %s\nCUDA: %s\nNCCL: %s\n' \

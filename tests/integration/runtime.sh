@@ -216,9 +216,9 @@ PY
     ;;
 
   peers)
-    # Calls between groups (DESIGN.md 10b): worker r of "a" (m workers) reaches its balanced
-    # block of "b" (n >= m) or worker r mod n (n < m), worker to worker, and `slice` splits the
-    # caller's 12 items across that block.
+    # Calls between groups (docs/ARCHITECTURE.md, Calls between groups): worker r of "a" (m
+    # workers) reaches its balanced block of "b" (n >= m) or worker r mod n (n < m), worker to
+    # worker, and `slice` splits the caller's 12 items across that block.
     write_peer_job() {
       cat >"$TMP/peers.toml" <<TOML
 [job]

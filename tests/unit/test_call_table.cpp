@@ -18,23 +18,48 @@ using namespace twinkle;
 using namespace twinkle::core;
 using namespace std::chrono_literals;
 using transport::ChannelEvent;
-using transport::Message;
 using transport::MsgType;
+namespace proto = transport::proto;
 
 namespace {
 
-// A DriverChannel in memory: it records what the driver sends per peer and delivers the events
+// What the fake channel records of a message the table sent: its type, id and fields as a Value
+// (payloads decoded), so that tests read what each worker was sent.
+struct SentMessage {
+  MsgType type = MsgType::hello;
+  std::uint64_t id = 0;
+  Value body;
+};
+
+SentMessage sent_view(const transport::Message& m) {
+  return SentMessage{m.type(), m.id, proto::to_value(m.body)};
+}
+
+// The table's create/call/wait with the arguments and the result as Values.
+std::uint64_t create_on(CallTable& table, const plugins::ClassInfo& cls, std::size_t group,
+                        const Value& args, std::optional<PeerCaller> peer = std::nullopt) {
+  return table.create(cls, group, encode(args), peer);
+}
+std::uint64_t call_on(CallTable& table, std::uint64_t instance, std::string_view method,
+                      const Value& args, const std::string& caller,
+                      std::optional<PeerCaller> peer = std::nullopt,
+                      const std::vector<proto::ChainLink>& chain = {}) {
+  return table.call(instance, method, encode(args), caller, peer, chain);
+}
+Value wait_on(CallTable& table, std::uint64_t future) { return decode(table.wait(future)); }
+
+// A CallChannel in memory: it records what the driver sends per peer and delivers the events
 // the test queues (replies, lost workers). `on_send` lets a test answer as a worker would.
-class FakeChannel : public transport::DriverChannel {
+class FakeChannel : public transport::CallChannel {
  public:
-  std::map<std::size_t, std::vector<Message>> sent;
-  std::function<void(std::size_t peer, const Message& m)> on_send;
+  std::map<std::size_t, std::vector<SentMessage>> sent;
+  std::function<void(std::size_t peer, const SentMessage& m)> on_send;
   std::function<void()> on_next;  // runs as next() starts (inside a wait)
 
   const std::string& endpoint() const override { return endpoint_; }
-  void send(std::size_t peer, const Message& m) override {
-    sent[peer].push_back(m);
-    if (on_send) on_send(peer, m);
+  void send(std::size_t peer, const transport::Message& m) override {
+    sent[peer].push_back(sent_view(m));
+    if (on_send) on_send(peer, sent[peer].back());
   }
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override {
     if (on_next) on_next();
@@ -62,31 +87,35 @@ class FakeChannel : public transport::DriverChannel {
     push(std::move(e));
   }
   std::uint64_t dropped() const override { return 0; }
-  Value adopt(const twk_value_v1& v) override { return decode(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return transport::adopt_copy(v); }
 
   // A message from `peer`, as the channel would deliver it.
-  void deliver(std::size_t peer, MsgType type, std::uint64_t id, Value body) {
+  void deliver(std::size_t peer, std::uint64_t id, proto::Control body) {
     ChannelEvent e;
     e.peer = peer;
-    e.message = Message{type, id, std::move(body)};
+    e.message = transport::Message{id, std::move(body)};
     push(std::move(e));
   }
+  // The hello of worker "g:<peer>" (the table's names in these tests).
   void hello(std::size_t peer, int pid, const std::string& host = "h") {
-    deliver(peer, MsgType::hello, 0, Value::map({{"pid", pid}, {"host", host}}));
+    deliver(peer, 0, proto::Hello{"g:" + std::to_string(peer), "g", 0, pid, host, ""});
+  }
+  void created(std::size_t peer, std::uint64_t id, std::optional<std::string> error = {}) {
+    deliver(peer, id, proto::Created{std::move(error)});
   }
   void reply(std::size_t peer, std::uint64_t id, Value value) {
-    deliver(peer, MsgType::reply, id, Value::map({{"ok", true}, {"value", std::move(value)}}));
+    deliver(peer, id, proto::Reply{std::nullopt, encode(value)});
   }
   void reply_error(std::size_t peer, std::uint64_t id, const std::string& error) {
-    deliver(peer, MsgType::reply, id, Value::map({{"ok", false}, {"error", error}}));
+    deliver(peer, id, proto::Reply{error, {}});
   }
   // What `peer` was sent last, of type `type`.
-  const Message& last(std::size_t peer, MsgType type) {
+  const SentMessage& last(std::size_t peer, MsgType type) {
     auto& list = sent[peer];
     for (auto it = list.rbegin(); it != list.rend(); ++it) {
       if (it->type == type) return *it;
     }
-    static const Message none;
+    static const SentMessage none;
     FAIL("peer " << peer << " was sent no " << transport::to_string(type));
     return none;
   }
@@ -163,28 +192,31 @@ struct Table {
 
   void start() {
     for (std::size_t p = 0; p < 4; ++p) channel.hello(p, 41 + static_cast<int>(p));
-    table.start(5s, [](const WorkerInfo& w) { return Value::map({{"rank", w.index}}); });
+    table.start(5s, [](const WorkerInfo& w) {
+      proto::Welcome welcome;
+      welcome.self = static_cast<std::uint64_t>(w.index);
+      return welcome;
+    });
   }
 
   // Every worker acknowledges constructors (peer 1 with `ctor_error` when given).
   std::uint64_t create(std::optional<std::string> ctor_error = std::nullopt) {
-    channel.on_send = [&, ctor_error](std::size_t peer, const Message& m) {
+    channel.on_send = [&, ctor_error](std::size_t peer, const SentMessage& m) {
       if (m.type != MsgType::create) return;
       if (peer == 1 && ctor_error) {
-        channel.deliver(peer, MsgType::created, m.id,
-                        Value::map({{"ok", false}, {"error", *ctor_error}}));
+        channel.created(peer, m.id, *ctor_error);
       } else {
-        channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+        channel.created(peer, m.id);
       }
     };
-    return table.create(cls, 0, Value::list());
+    return create_on(table, cls, 0, Value::list());
   }
 
   // Starts, creates, and from then on every worker answers calls with answer(peer, args).
   std::uint64_t ready(std::function<Value(std::size_t, const Value&)> answer) {
     start();
     const std::uint64_t inst = create();
-    channel.on_send = [this, answer](std::size_t peer, const Message& m) {
+    channel.on_send = [this, answer](std::size_t peer, const SentMessage& m) {
       if (m.type == MsgType::call) channel.reply(peer, m.id, answer(peer, m.body["args"]));
     };
     return inst;
@@ -218,7 +250,7 @@ TEST_CASE("start: hellos fill in pid and host; each worker gets its welcome", "[
     CHECK(w.ready);
     CHECK(w.pid == 41 + static_cast<int>(p));
     CHECK(w.host == "h");
-    CHECK(t.channel.last(p, MsgType::welcome).body["rank"] == Value(static_cast<int>(p)));
+    CHECK(t.channel.last(p, MsgType::welcome).body["self"] == Value(static_cast<int>(p)));
   }
   CHECK(t.table.worker_label(0, 1) == "group g rank 1 (host h, pid 42)");
   CHECK(t.table.find_group("g") == 0u);
@@ -229,8 +261,9 @@ TEST_CASE("start: a worker lost before its hello fails the start, naming it", "[
   Table t;
   t.channel.hello(0, 41);
   t.channel.lost(1, "exited with code 3");
-  CHECK(Table::error_of([&] { t.table.start(5s, [](const WorkerInfo&) { return Value(); }); }) ==
-        "worker g:1 exited with code 3 before it was ready");
+  CHECK(Table::error_of([&] {
+          t.table.start(5s, [](const WorkerInfo&) { return proto::Welcome{}; });
+        }) == "worker g:1 exited with code 3 before it was ready");
   CHECK(t.table.lost()->peer == 1);
   CHECK(t.channel.count(0, MsgType::welcome) == 0);
 }
@@ -240,8 +273,9 @@ TEST_CASE("start: workers without a hello are named after the timeout", "[call_t
   t.channel.hello(0, 41);
   t.channel.hello(2, 43);
   const auto began = std::chrono::steady_clock::now();
-  CHECK(Table::error_of([&] { t.table.start(50ms, [](const WorkerInfo&) { return Value(); }); }) ==
-        "workers g:1, g:3 did not start within 0.05 s");
+  CHECK(Table::error_of([&] {
+          t.table.start(50ms, [](const WorkerInfo&) { return proto::Welcome{}; });
+        }) == "workers g:1, g:3 did not start within 0.05 s");
   CHECK(std::chrono::steady_clock::now() - began < 2s);
   CHECK(t.table.workers()[2].ready);
 }
@@ -251,7 +285,7 @@ TEST_CASE("create: every worker constructs; a constructor error names the worker
   t.start();
   const std::uint64_t inst = t.create();
   for (std::size_t p = 0; p < 4; ++p) {
-    const Message& m = t.channel.last(p, MsgType::create);
+    const SentMessage& m = t.channel.last(p, MsgType::create);
     CHECK(m.id == inst);
     CHECK(m.body["class"] == Value("C"));
   }
@@ -262,11 +296,10 @@ TEST_CASE("create: every worker constructs; a constructor error names the worker
 TEST_CASE("create: a worker that does not acknowledge times out, naming its rank", "[call_table]") {
   Table t(0.05);
   t.start();
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
-    if (m.type == MsgType::create && peer != 2)
-      t.channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create && peer != 2) t.channel.created(peer, m.id);
   };
-  CHECK(Table::error_of([&] { t.table.create(t.cls, 0, Value::list()); }) ==
+  CHECK(Table::error_of([&] { create_on(t.table, t.cls, 0, Value::list()); }) ==
         "C constructor on group g timed out after 0.05 s: ranks [2] did not answer; raise "
         "job.timeout_s");
 }
@@ -277,9 +310,9 @@ TEST_CASE("call: what each worker receives", "[call_table]") {
   auto args_of = [&](std::size_t peer) { return t.channel.last(peer, MsgType::call).body["args"]; };
 
   SECTION("all: the same arguments for every worker") {
-    const auto f = t.table.call(inst, "m", Value::list({5, "x"}), "x.cpp:7");
+    const auto f = call_on(t.table, inst, "m", Value::list({5, "x"}), "x.cpp:7");
     for (std::size_t p = 0; p < 4; ++p) {
-      const Message& m = t.channel.last(p, MsgType::call);
+      const SentMessage& m = t.channel.last(p, MsgType::call);
       CHECK(m.id == f);
       CHECK(m.body["instance"] == Value(inst));
       CHECK(m.body["method"] == Value("m"));
@@ -287,18 +320,18 @@ TEST_CASE("call: what each worker receives", "[call_table]") {
     }
   }
   SECTION("slice: one part per worker") {
-    t.table.call(inst, "slice", Value::list({ints({1, 2, 3, 4}), "whole"}), "x.cpp:7");
+    call_on(t.table, inst, "slice", Value::list({ints({1, 2, 3, 4}), "whole"}), "x.cpp:7");
     for (int p = 0; p < 4; ++p) CHECK(args_of(p) == Value::list({ints({p + 1}), "whole"}));
   }
   SECTION("slice_dp: one part per data rank; tp peers get the same part") {
-    t.table.call(inst, "slice_dp", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
+    call_on(t.table, inst, "slice_dp", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
     CHECK(args_of(0) == Value::list({ints({1, 2})}));
     CHECK(args_of(1) == Value::list({ints({1, 2})}));
     CHECK(args_of(2) == Value::list({ints({3, 4})}));
     CHECK(args_of(3) == Value::list({ints({3, 4})}));
   }
   SECTION("execute first: only worker 0, with the arguments whole") {
-    t.table.call(inst, "first", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
+    call_on(t.table, inst, "first", Value::list({ints({1, 2, 3, 4})}), "x.cpp:7");
     CHECK(args_of(0) == Value::list({ints({1, 2, 3, 4})}));
     for (std::size_t p = 1; p < 4; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
   }
@@ -309,12 +342,13 @@ TEST_CASE("wait: the results are collected as the method says", "[call_table]") 
   const std::uint64_t inst = t.ready([](std::size_t peer, const Value&) {
     return Value(static_cast<int>(peer) + 1);  // 1, 2, 3, 4
   });
-  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "x.cpp:7")) == Value(10));
-  CHECK(t.table.wait(t.table.call(inst, "mean", Value::list(), "x.cpp:7")) == Value(2.5));
-  CHECK(t.table.wait(t.table.call(inst, "first", Value::list(), "x.cpp:7")) == Value(1));
-  CHECK(t.table.wait(t.table.call(inst, "slice", Value::list(), "x.cpp:7")) == ints({1, 2, 3, 4}));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "x.cpp:7")) == Value(10));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "mean", Value::list(), "x.cpp:7")) == Value(2.5));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "first", Value::list(), "x.cpp:7")) == Value(1));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "slice", Value::list(), "x.cpp:7")) ==
+        ints({1, 2, 3, 4}));
   CHECK(t.table.outstanding() == 0);
-  CHECK(Table::error_of([&] { t.table.wait(12345); }) == "unknown or already collected call");
+  CHECK(Table::error_of([&] { wait_on(t.table, 12345); }) == "unknown or already collected call");
 }
 
 TEST_CASE("wait: flatten joins one result per data rank", "[call_table]") {
@@ -324,14 +358,14 @@ TEST_CASE("wait: flatten joins one result per data rank", "[call_table]") {
     return ints({10 * p, 10 * p + 1});
   });
   // Workers 0 and 2 speak for data ranks 0 and 1.
-  CHECK(t.table.wait(t.table.call(inst, "flatten", Value::list(), "x.cpp:7")) ==
+  CHECK(wait_on(t.table, call_on(t.table, inst, "flatten", Value::list(), "x.cpp:7")) ==
         ints({0, 1, 20, 21}));
 }
 
 TEST_CASE("wait: a worker's error names the caller, the call and the worker", "[call_table]") {
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type != MsgType::call) return;
     if (peer == 1 || peer == 2) {
       t.channel.reply_error(peer, m.id, "CUDA out of memory");
@@ -339,13 +373,13 @@ TEST_CASE("wait: a worker's error names the caller, the call and the worker", "[
       t.channel.reply(peer, m.id, 1);
     }
   };
-  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
-  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+  const auto f = call_on(t.table, inst, "m", Value::list(), "x.cpp:7");
+  CHECK(Table::error_of([&] { wait_on(t.table, f); }) ==
         "C.m failed on group g rank 1 (host h, pid 42): CUDA out "
         "of memory (ranks 2 failed too)");
   CHECK(t.table.outstanding() == 0);
 
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type != MsgType::call) return;
     if (peer == 3) {
       t.channel.reply_error(peer, m.id, "bad batch");
@@ -353,19 +387,20 @@ TEST_CASE("wait: a worker's error names the caller, the call and the worker", "[
       t.channel.reply(peer, m.id, 1);
     }
   };
-  CHECK(Table::error_of([&] { t.table.wait(t.table.call(inst, "m", Value::list(), "y.cpp:9")); }) ==
-        "C.m failed on group g rank 3 (host h, pid 44): bad batch");
+  CHECK(Table::error_of([&] {
+          wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "y.cpp:9"));
+        }) == "C.m failed on group g rank 3 (host h, pid 44): bad batch");
 }
 
 TEST_CASE("wait: a worker lost while the driver waits fails the wait, naming it", "[call_table]") {
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type == MsgType::call && peer != 1) t.channel.reply(peer, m.id, 1);
   };
-  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  const auto f = call_on(t.table, inst, "m", Value::list(), "x.cpp:7");
   t.channel.lost(1, "exited with code 3");
-  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+  CHECK(Table::error_of([&] { wait_on(t.table, f); }) ==
         "C.m failed: worker g:1 (host h, pid 42) exited with "
         "code 3");
   REQUIRE(t.table.lost());
@@ -377,7 +412,7 @@ TEST_CASE("wait: a worker lost while the driver waits fails the wait, naming it"
   t.channel.lost(2, "was killed by signal 9 (Killed)");
   t.table.drain();
   CHECK(t.table.lost()->peer == 1);
-  CHECK(Table::error_of([&] { t.table.call(inst, "m", Value::list(), "x.cpp:8"); }) ==
+  CHECK(Table::error_of([&] { call_on(t.table, inst, "m", Value::list(), "x.cpp:8"); }) ==
         "C.m failed: worker g:1 (host h, pid 42) exited with code 3");
 }
 
@@ -395,13 +430,13 @@ TEST_CASE("wait: ranks that do not answer in time are named; late replies are dr
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
   std::uint64_t id = 0;
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type != MsgType::call) return;
     id = m.id;
     if (peer == 0 || peer == 2) t.channel.reply(peer, m.id, 1);
   };
-  const auto f = t.table.call(inst, "quick", Value::list(), "x.cpp:7");
-  CHECK(Table::error_of([&] { t.table.wait(f); }) ==
+  const auto f = call_on(t.table, inst, "quick", Value::list(), "x.cpp:7");
+  CHECK(Table::error_of([&] { wait_on(t.table, f); }) ==
         "C.quick timed out after 0.05 s: ranks [1, 3] of group g "
         "did not answer; raise the method's timeout (twinkle::timeout in TWINKLE_METHOD) or "
         "job.timeout_s");
@@ -410,23 +445,23 @@ TEST_CASE("wait: ranks that do not answer in time are named; late replies are dr
   t.channel.reply(3, id, 1);
   t.table.drain();
   CHECK(t.table.outstanding() == 0);
-  CHECK(Table::error_of([&] { t.table.wait(f); }) == "unknown or already collected call");
+  CHECK(Table::error_of([&] { wait_on(t.table, f); }) == "unknown or already collected call");
   // The table still works.
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type == MsgType::call) t.channel.reply(peer, m.id, 2);
   };
-  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "x.cpp:9")) == Value(8));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "x.cpp:9")) == Value(8));
 }
 
 TEST_CASE("cancel: waits and new calls fail with the reason", "[call_table]") {
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
   t.channel.on_send = nullptr;  // nobody answers
-  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  const auto f = call_on(t.table, inst, "m", Value::list(), "x.cpp:7");
   // A wait in progress notices a cancel from another thread once the channel is woken.
   auto waiting = std::async(std::launch::async, [&]() -> std::string {
     try {
-      t.table.wait(f);
+      wait_on(t.table, f);
     } catch (const CallError& e) {
       return e.what();
     }
@@ -438,9 +473,9 @@ TEST_CASE("cancel: waits and new calls fail with the reason", "[call_table]") {
   REQUIRE(waiting.wait_for(5s) == std::future_status::ready);
   CHECK(waiting.get() == "C.m: interrupted by SIGINT");
   CHECK(t.table.outstanding() == 0);
-  CHECK(Table::error_of([&] { t.table.call(inst, "m", Value::list(), "x.cpp:8"); }) ==
+  CHECK(Table::error_of([&] { call_on(t.table, inst, "m", Value::list(), "x.cpp:8"); }) ==
         "C.m: interrupted by SIGINT");
-  CHECK(Table::error_of([&] { t.table.create(t.cls, 0, Value::list()); }) ==
+  CHECK(Table::error_of([&] { create_on(t.table, t.cls, 0, Value::list()); }) ==
         "C constructor on group g: interrupted by SIGINT");
 }
 
@@ -448,20 +483,20 @@ TEST_CASE("release: a pending call's answers are dropped when they come", "[call
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
   std::uint64_t id = 0;
-  t.channel.on_send = [&](std::size_t, const Message& m) { id = m.id; };
-  const auto f = t.table.call(inst, "m", Value::list(), "x.cpp:7");
+  t.channel.on_send = [&](std::size_t, const SentMessage& m) { id = m.id; };
+  const auto f = call_on(t.table, inst, "m", Value::list(), "x.cpp:7");
   t.table.release(f);
   CHECK(t.table.outstanding() == 1);  // still answered by the workers
   for (std::size_t p = 0; p < 4; ++p) t.channel.reply(p, id, 1);
   t.table.drain();
   CHECK(t.table.outstanding() == 0);
-  CHECK(Table::error_of([&] { t.table.wait(f); }) == "unknown or already collected call");
+  CHECK(Table::error_of([&] { wait_on(t.table, f); }) == "unknown or already collected call");
 
   // Releasing an answered call, or an unknown one, is harmless.
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type == MsgType::call) t.channel.reply(peer, m.id, 1);
   };
-  const auto g = t.table.call(inst, "m", Value::list(), "x.cpp:8");
+  const auto g = call_on(t.table, inst, "m", Value::list(), "x.cpp:8");
   t.table.drain();
   t.table.release(g);
   t.table.release(999);
@@ -471,15 +506,16 @@ TEST_CASE("release: a pending call's answers are dropped when they come", "[call
 TEST_CASE("call: an unknown method or instance", "[call_table]") {
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
-  CHECK(Table::error_of([&] { t.table.call(inst, "stpe", Value::list(), "x.cpp:7"); }) ==
+  CHECK(Table::error_of([&] { call_on(t.table, inst, "stpe", Value::list(), "x.cpp:7"); }) ==
         "no remote method stpe (class C has: m, slice, slice_dp, first, mean, flatten, quick); "
         "declare it with TWINKLE_METHOD");
-  CHECK(Table::error_of([&] { t.table.call(inst + 100, "m", Value::list(), "x.cpp:7"); }) ==
+  CHECK(Table::error_of([&] { call_on(t.table, inst + 100, "m", Value::list(), "x.cpp:7"); }) ==
         "unknown instance handle");
   CHECK(t.channel.count(0, MsgType::call) == 0);
 }
 
-// ----- Calls from a worker to another group (DESIGN.md 10b) -----------------------------------
+// ----- Calls from a worker to another group (docs/ARCHITECTURE.md, Calls between groups)
+// -----------------------------------
 
 TEST_CASE("a worker's call with execute = peer reaches its block only, sliced across it") {
   // The caller is rank 1 of a group of 2; the target group "g" has 4 workers: block [2, 3].
@@ -487,7 +523,7 @@ TEST_CASE("a worker's call with execute = peer reaches its block only, sliced ac
   plugins::ClassInfo cls = t.cls;
   cls.methods.push_back(method("peer", Dispatch::slice, Execute::peer, Collect::none));
   t.start();
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
     if (m.type == MsgType::call) t.channel.reply(peer, m.id, m.body["args"][0]);
   };
   // An instance that another caller made (its handle came as an argument).
@@ -495,15 +531,15 @@ TEST_CASE("a worker's call with execute = peer reaches its block only, sliced ac
   t.table.attach(inst, cls, 0);
   t.table.attach(inst, cls, 0);  // again: the same instance, accepted
   const std::uint64_t f =
-      t.table.call(inst, "peer", Value::list({Value::list({1, 2, 3, 4, 5})}), "w.cpp:3",
-                   PeerCaller{1, 2}, Value::map({{"chain", Value::list({"frame"})}}));
-  const Value got = t.table.wait(f);
+      call_on(t.table, inst, "peer", Value::list({Value::list({1, 2, 3, 4, 5})}), "w.cpp:3",
+              PeerCaller{1, 2}, {proto::ChainLink{"frame", 1, "F.f", "f.cpp:1"}});
+  const Value got = wait_on(t.table, f);
   CHECK(got.repr() == Value::list({Value::list({1, 2, 3}), Value::list({4, 5})}).repr());
   CHECK(t.channel.count(0, MsgType::call) == 0);
   CHECK(t.channel.count(1, MsgType::call) == 0);
-  // The extra fields (the caller's chain) and the call site travel with the call.
-  const Message& sent = t.channel.last(2, MsgType::call);
-  CHECK(sent.body["chain"][0].as<std::string>() == "frame");
+  // The caller's chain and the call site travel with the call.
+  const SentMessage& sent = t.channel.last(2, MsgType::call);
+  CHECK(sent.body["chain"][0]["worker"].as<std::string>() == "frame");
   CHECK(sent.body["caller"].as<std::string>() == "w.cpp:3");
 }
 
@@ -512,17 +548,16 @@ TEST_CASE("a class with execute = peer created from a worker lives on the caller
   t.start();
   plugins::ClassInfo peer_cls = t.cls;
   peer_cls.execute = Execute::peer;
-  t.channel.on_send = [&](std::size_t peer, const Message& m) {
-    if (m.type == MsgType::create)
-      t.channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
     if (m.type == MsgType::call) t.channel.reply(peer, m.id, static_cast<int>(peer));
   };
   // Rank 3 of 8 callers, 4 targets: worker 3 mod 4 = 3.
-  const std::uint64_t inst = t.table.create(peer_cls, 0, Value::list(), PeerCaller{3, 8});
+  const std::uint64_t inst = create_on(t.table, peer_cls, 0, Value::list(), PeerCaller{3, 8});
   for (std::size_t p = 0; p < 3; ++p) CHECK(t.channel.count(p, MsgType::create) == 0);
   CHECK(t.channel.count(3, MsgType::create) == 1);
   // `all` on it means the workers it lives on.
-  CHECK(t.table.wait(t.table.call(inst, "m", Value::list(), "w.cpp:1")).as<int>() == 3);
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "w.cpp:1")).as<int>() == 3);
   for (std::size_t p = 0; p < 3; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
 }
 
@@ -531,11 +566,10 @@ TEST_CASE("ids of instances made by different callers never collide") {
   CallTable table(channel, {GroupInfo{"g", DeviceMesh::data_parallel(1), {0}}}, Table::workers(),
                   {}, 5, std::uint64_t(3) << 40);
   plugins::ClassInfo cls = class_c();
-  channel.on_send = [&](std::size_t peer, const Message& m) {
-    if (m.type == MsgType::create)
-      channel.deliver(peer, MsgType::created, m.id, Value::map({{"ok", true}}));
+  channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) channel.created(peer, m.id);
   };
-  CHECK(table.create(cls, 0, Value::list()) == (std::uint64_t(3) << 40) + 1);
+  CHECK(create_on(table, cls, 0, Value::list()) == (std::uint64_t(3) << 40) + 1);
   // An attached handle of another class on the same id is refused.
   plugins::ClassInfo other = cls;
   other.name = "D";
@@ -548,7 +582,7 @@ TEST_CASE(
   Table t;
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(); });
   t.channel.on_send = nullptr;  // nobody answers
-  const std::uint64_t f = t.table.call(inst, "m", Value::list(), "w.cpp:9");
+  const std::uint64_t f = call_on(t.table, inst, "m", Value::list(), "w.cpp:9");
   CHECK(t.table.waiting_peers().empty());  // not in wait()
   for (std::size_t p : {0u, 1u, 3u}) t.channel.reply(p, f, 1);
   // Inside wait(), as a worker's probe handler would: see whom it waits for, then end it.
@@ -560,7 +594,7 @@ TEST_CASE(
     t.channel.on_next = nullptr;
     t.channel.wake();
   };
-  const std::string e = Table::error_of([&] { t.table.wait(f); });
+  const std::string e = Table::error_of([&] { wait_on(t.table, f); });
   CHECK(seen == std::vector<std::size_t>{2});
   CHECK(e.find("C.m failed on group g rank 2") != std::string::npos);
   CHECK(e.find("deadlock: a cycle") != std::string::npos);

@@ -3,12 +3,15 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include <fmt/format.h>
@@ -26,22 +29,21 @@ namespace fs = std::filesystem;
 namespace {
 
 using twinkle::test::TempDir;
+namespace proto = twinkle::transport::proto;
 
-using Frames = std::vector<zmq::message_t>;
-
-// The message of the TransportError that decoding `frames` raises.
+// The message of the ProtocolError that decoding `frames` raises.
 std::string error_of(Frames frames, ShmChannel* channel = nullptr) {
   try {
     decode_message(std::move(frames), channel);
-  } catch (const TransportError& e) {
+  } catch (const ProtocolError& e) {
     return e.what();
   }
-  FAIL("the frames decoded without a TransportError");
+  FAIL("the frames decoded without a ProtocolError");
   return {};
 }
 
-Frames reply_frames(Value body = Value::map({{"ok", true}, {"value", 7}})) {
-  return encode_message(Message{MsgType::reply, 9, std::move(body)});
+Frames reply_frames(Value value = Value(7)) {
+  return encode_message(Message{9, proto::Reply{std::nullopt, encode(value)}});
 }
 
 // Writes a little-endian u16 into the header at `offset`.
@@ -51,15 +53,22 @@ void put_u16(Frames& frames, std::size_t offset, std::uint16_t v) {
   h[offset + 1] = static_cast<unsigned char>(v >> 8);
 }
 
-zmq::message_t msgpack_frame(const Value& v) {
-  EncodedValue e = encode(v);
-  return zmq::message_t(e.msgpack.data(), e.msgpack.size());
+// Frame 0 of a message of `type`: the header, then `body` and `table` as msgpack.
+zmq::message_t frame0(MsgType type, const Value& body, const std::optional<Value>& table = {}) {
+  Frames f = encode_message(Message{0, proto::Shutdown{}});
+  std::string bytes(static_cast<const char*>(f[0].data()), 16);
+  bytes[6] = static_cast<char>(static_cast<std::uint16_t>(type) & 0xff);
+  bytes[7] = static_cast<char>(static_cast<std::uint16_t>(type) >> 8);
+  bytes += encode(body).msgpack;
+  if (table) bytes += encode(*table).msgpack;
+  return zmq::message_t(bytes.data(), bytes.size());
 }
 
-// A message with one tensor whose table entry is `entry` and whose tensor frame is `frame`.
+// A reply with one tensor whose table entry is `entry` and whose tensor frame is `frame`.
 Frames with_tensor_entry(const Value& entry, zmq::message_t frame) {
-  Frames f = reply_frames();
-  f[2] = msgpack_frame(Value::list({Value::list({entry}), Value::list()}));
+  Frames f;
+  const Value body = Value::map({{"value", Value::list({Value(Bytes{{0xd4, 1, 0}}), 0, 0})}});
+  f.push_back(frame0(MsgType::reply, body, Value::list({Value::list({entry}), Value::list()})));
   f.push_back(std::move(frame));
   return f;
 }
@@ -71,36 +80,94 @@ constexpr int kF32 = static_cast<int>(DType::f32);
 TEST_CASE("a message with tensors survives encode and decode", "[zmq]") {
   Tensor t = Tensor::from(std::vector<float>{1, 2, 3, 4, 5, 6}, {2, 3});
   Tensor empty(DType::i64, {0, 4});
-  Value body =
+  Value args =
       Value::map({{"x", t}, {"rows", Value::list({empty, 3, "s"})}, {"step", 12}, {"lr", 0.5}});
-  Frames frames = encode_message(Message{MsgType::call, 0x0102030405060708ull, body});
-  // header, body, framing, one frame per tensor (in the order of the body's sorted keys)
-  REQUIRE(frames.size() == 5);
-  CHECK(frames[3].size() == 0);
-  CHECK(frames[4].size() == 6 * sizeof(float));
+  Frames frames = encode_message(
+      Message{0x0102030405060708ull,
+              proto::Call{3, "step", "t.cpp:1", encode(args), {{"driver", 0, "entry", ""}}}});
+  // frame 0 (header, body, tensor table), then one frame per tensor (the args' order)
+  REQUIRE(frames.size() == 3);
+  CHECK(frames[1].size() == 0);
+  CHECK(frames[2].size() == 6 * sizeof(float));
 
   Message m = decode_message(std::move(frames));
-  CHECK(m.type == MsgType::call);
+  CHECK(m.type() == MsgType::call);
   CHECK(m.id == 0x0102030405060708ull);
-  CHECK(m.body == body);
-  CHECK(m.body["x"].tensor().shape() == std::vector<std::int64_t>{2, 3});
-  CHECK(m.body["rows"][0].tensor().shape() == std::vector<std::int64_t>{0, 4});
+  const auto* call = m.get<proto::Call>();
+  REQUIRE(call);
+  CHECK(call->instance == 3);
+  CHECK(call->method == "step");
+  CHECK(call->caller == "t.cpp:1");
+  REQUIRE(call->chain.size() == 1);
+  CHECK(call->chain[0].worker == "driver");
+  const Value got = decode(call->args);
+  CHECK(got == args);
+  CHECK(got["x"].tensor().shape() == std::vector<std::int64_t>{2, 3});
+  CHECK(got["rows"][0].tensor().shape() == std::vector<std::int64_t>{0, 4});
+}
+
+TEST_CASE("a message without tensors is one frame", "[zmq]") {
+  CHECK(reply_frames().size() == 1);
+  CHECK(encode_message(Message{0, proto::Shutdown{}}).size() == 1);
+}
+
+TEST_CASE("every message type survives encode and decode", "[zmq]") {
+  proto::Welcome w;
+  w.job = "j";
+  w.groups.push_back(proto::GroupEntry{"g", Value::map({{"dp", 2}}), {0, 1}});
+  w.workers.push_back(proto::WorkerEntry{"g:0", 0, 0, 42, "h", "ipc:///x"});
+  w.self = 1;
+  w.args = Value::map({{"lr", 0.5}});
+  w.timeout_s = 3;
+  Message m = decode_message(encode_message(Message{0, w}));
+  const auto* got = m.get<proto::Welcome>();
+  REQUIRE(got);
+  CHECK(got->workers[0].pid == 42);
+  CHECK(got->groups[0].peers == std::vector<std::uint64_t>{0, 1});
+  CHECK(got->args == w.args);
+  CHECK(got->timeout_s == 3.0);
+
+  proto::Launch l;
+  l.run = "r";
+  l.workers.push_back(proto::LaunchWorker{"g:0", {"A=1"}});
+  l.keys = proto::RunKeys{"p", "s", "v"};
+  ClusterMessage c = decode_cluster_message(encode_message(ClusterMessage{5, l}));
+  const auto* lg = c.get<proto::Launch>();
+  REQUIRE(lg);
+  CHECK(c.id == 5);
+  REQUIRE(lg->keys);
+  CHECK(lg->keys->secret_key == "s");
+  CHECK(lg->workers[0].env == std::vector<std::string>{"A=1"});
+
+  // Optional fields left out come back empty.
+  proto::Launch nokeys;
+  c = decode_cluster_message(encode_message(ClusterMessage{0, nokeys}));
+  CHECK_FALSE(c.get<proto::Launch>()->keys);
+}
+
+TEST_CASE("every message type is described with its fields", "[zmq]") {
+  const auto lines = proto::describe_messages();
+  CHECK(lines.size() == std::variant_size_v<proto::Control> + std::variant_size_v<proto::Cluster>);
+  CHECK(std::find(lines.begin(), lines.end(),
+                  "call (5): instance u64, method str, caller str, args payload, chain [{worker "
+                  "str, token u64, what str, caller str}]") != lines.end());
+  CHECK(std::find(lines.begin(), lines.end(), "shutdown (7): no fields") != lines.end());
 }
 
 TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
-  SECTION("fewer than 3 frames") {
+  SECTION("no frames, no body") {
+    CHECK(error_of(Frames{}) == "malformed message: no frames");
     Frames f = reply_frames();
-    f.resize(2);
-    CHECK(error_of(std::move(f)) == "malformed message: 2 frame(s), at least 3 expected");
-    CHECK(error_of(Frames{}) == "malformed message: 0 frame(s), at least 3 expected");
+    f[0] = zmq::message_t(static_cast<const char*>(f[0].data()), 16);
+    CHECK(error_of(std::move(f)) == "malformed message: no body after the header");
   }
   SECTION("no twinkle header") {
     Frames f = reply_frames();
     static_cast<char*>(f[0].data())[0] = 'X';
     CHECK(error_of(std::move(f)) ==
           "malformed message: no twinkle header (is another program talking to this socket?)");
-    Frames short_header = reply_frames();
-    short_header[0] = zmq::message_t(std::string("TWKP"));
+    Frames short_header;
+    short_header.emplace_back(std::string("TWKP"));
     CHECK(error_of(std::move(short_header)) ==
           "malformed message: no twinkle header (is another program talking to this socket?)");
   }
@@ -120,40 +187,81 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
     put_u16(zero, 6, 0);
     CHECK(error_of(std::move(zero)) == "malformed message: unknown type 0");
     Frames gap = reply_frames();
-    put_u16(gap, 6, 15);  // between the worker and the cluster messages
+    put_u16(gap, 6, 15);  // between the control and the cluster messages
     CHECK(error_of(std::move(gap)) == "malformed message: unknown type 15");
   }
-  SECTION("a framing frame that is not [tensors, released]") {
-    Frames f = reply_frames();
-    f[2] = msgpack_frame(Value::list({Value::list()}));
+  SECTION("a cluster message on a control socket, and the other way round") {
+    Frames f = encode_message(ClusterMessage{0, proto::Heartbeat{"n"}});
     CHECK(error_of(std::move(f)) ==
-          "malformed message: the tensor frame is not [tensors, released]");
-    Frames m = reply_frames();
-    m[2] = msgpack_frame(Value::map({{"tensors", Value::list()}}));
-    CHECK(error_of(std::move(m)) ==
-          "malformed message: the tensor frame is not [tensors, released]");
+          "malformed message: a heartbeat message is not expected on this socket");
+    CHECK_THROWS_WITH(decode_cluster_message(reply_frames()),
+                      "malformed message: a reply message is not expected on this socket");
+  }
+  SECTION("a body field that is missing or of the wrong type names the field") {
+    Frames f;
+    f.push_back(frame0(MsgType::hello, Value::map({{"name", "g:0"}})));
+    CHECK(error_of(std::move(f)) == "malformed hello message: missing field \"group\"");
+    Frames g;
+    g.push_back(frame0(MsgType::hello, Value::map({{"name", "g:0"},
+                                                   {"group", "g"},
+                                                   {"rank", "x"},
+                                                   {"pid", 1},
+                                                   {"host", "h"},
+                                                   {"serve", ""}})));
+    CHECK(error_of(std::move(g)) ==
+          "malformed hello message: rank: expected an integer, got a string");
+    Frames h;
+    h.push_back(frame0(MsgType::peer_lost, Value::map({{"peer", -1}, {"text", ""}})));
+    CHECK(error_of(std::move(h)) == "malformed peer_lost message: peer: integer -1 is negative");
+    Frames w;
+    Value worker = Value::map(
+        {{"name", "g:0"}, {"group", 0}, {"index", 0}, {"pid", "?"}, {"host", "h"}, {"serve", ""}});
+    w.push_back(frame0(
+        MsgType::welcome,
+        Value::map({{"job", "j"}, {"groups", Value::list()}, {"workers", Value::list({worker})}})));
+    CHECK(error_of(std::move(w)) ==
+          "malformed welcome message: workers[0]: pid: expected an integer, got a string");
+  }
+  SECTION("a body that is not msgpack names the message") {
+    Frames f;
+    f.push_back(frame0(MsgType::reply, Value()));
+    std::string bytes(static_cast<const char*>(f[0].data()), 16);
+    bytes += "\xc1";  // a byte msgpack never uses
+    f[0] = zmq::message_t(bytes.data(), bytes.size());
+    CHECK_THAT(error_of(std::move(f)),
+               Catch::StartsWith("malformed message: its body is not msgpack"));
+  }
+  SECTION("a tensor table that is not [tensors, released]") {
+    Frames f;
+    f.push_back(frame0(MsgType::shutdown, Value::map(), Value::list({Value::list()})));
+    CHECK(error_of(std::move(f)) ==
+          "malformed message: the tensor table is not [tensors, released]");
   }
   SECTION("a tensor table that does not match the frames") {
-    Frames f = encode_message(
-        Message{MsgType::reply, 1, Value::map({{"x", Tensor::from(std::vector<float>{1, 2})}})});
-    REQUIRE(f.size() == 4);
+    Frames f = reply_frames(Tensor::from(std::vector<float>{1, 2}));
+    REQUIRE(f.size() == 2);
     f.pop_back();
     CHECK(error_of(std::move(f)) ==
           "malformed message: the tensor table lists 1 tensor(s) for 0 frame(s)");
     Frames extra = reply_frames();
     extra.emplace_back();
-    CHECK(error_of(std::move(extra)) ==
-          "malformed message: the tensor table lists 0 tensor(s) for 1 frame(s)");
+    CHECK(error_of(std::move(extra)) == "malformed message: 1 tensor frame(s) and no tensor table");
   }
   SECTION("a tensor frame of the wrong size") {
     Frames f = with_tensor_entry(Value::list({kF32, Value::list({2})}), zmq::message_t(4));
     CHECK(error_of(std::move(f)) ==
-          "malformed reply message: tensor of shape [2] and dtype float32 needs 8 bytes, buffer "
-          "has 4");
+          "malformed message: tensor 0: tensor of shape [2] and dtype float32 needs 8 bytes, "
+          "buffer has 4");
   }
   SECTION("a negative dimension") {
     Frames f = with_tensor_entry(Value::list({kF32, Value::list({2, -1})}), zmq::message_t());
     CHECK(error_of(std::move(f)) == "malformed message: tensor 0 has a negative dimension");
+  }
+  SECTION("a shape whose size overflows") {
+    const std::int64_t big = std::int64_t{1} << 40;
+    Frames f =
+        with_tensor_entry(Value::list({kF32, Value::list({big, big, big})}), zmq::message_t());
+    CHECK(error_of(std::move(f)) == "malformed message: tensor 0 has a shape too large");
   }
   SECTION("an unknown dtype") {
     Frames f = with_tensor_entry(Value::list({77, Value::list({1})}), zmq::message_t(4));
@@ -162,11 +270,6 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
   SECTION("a shared-memory entry without a channel") {
     Frames f = with_tensor_entry(Value::list({kF32, Value::list({2}), 1, 0, 0}), zmq::message_t());
     CHECK(error_of(std::move(f)) == "malformed message: a shared-memory tensor without a channel");
-  }
-  SECTION("a body that is not msgpack names the message type") {
-    Frames f = reply_frames();
-    f[1] = zmq::message_t(std::string("\xc1"));  // a byte msgpack never uses
-    CHECK_THAT(error_of(std::move(f)), Catch::StartsWith("malformed reply message: "));
   }
 }
 
@@ -180,7 +283,7 @@ TEST_CASE("driver channel: a message from an unknown identity is dropped and cou
   intruder.set(zmq::sockopt::linger, 0);
   intruder.set(zmq::sockopt::routing_id, "intruder");
   intruder.connect(channel.endpoint());
-  send_message(intruder, Message{MsgType::hello, 0, Value::map({{"pid", 1}, {"host", "x"}})});
+  send_message(intruder, Message{0, proto::Hello{"w0", "g", 0, 1, "x", ""}});
 
   const auto deadline = std::chrono::steady_clock::now() + 5s;
   while (channel.dropped() == 0 && std::chrono::steady_clock::now() < deadline) {
@@ -191,28 +294,63 @@ TEST_CASE("driver channel: a message from an unknown identity is dropped and cou
   CHECK_FALSE(channel.next(0ms));
 }
 
+TEST_CASE("driver channel: a stranger that takes a worker's identity first does not keep it",
+          "[zmq]") {
+  TempDir dir;
+  zmq::context_t ctx;
+  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
+  // A process of an older build claims w1's identity and says hello in protocol version 1.
+  zmq::socket_t intruder(ctx, zmq::socket_type::dealer);
+  intruder.set(zmq::sockopt::linger, 0);
+  intruder.set(zmq::sockopt::routing_id, "w1");
+  intruder.connect(channel.endpoint());
+  Frames old = encode_message(Message{0, proto::Hello{"w1", "g", 1, 1, "x", ""}});
+  put_u16(old, 4, 1);
+  send_frames(intruder, std::move(old));
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (channel.dropped() == 0 && std::chrono::steady_clock::now() < deadline) channel.next(20ms);
+  REQUIRE(channel.dropped() == 1);
+
+  // The real worker connects later with the same identity: its hello arrives and it is answered.
+  auto link =
+      connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1).release());
+  link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  REQUIRE(e->kind == ChannelEvent::Kind::message);
+  CHECK(e->peer == 1);
+  REQUIRE(e->message.get<proto::Hello>());
+  CHECK(e->message.get<proto::Hello>()->pid == 42);
+  channel.send(1, Message{0, proto::Shutdown{}});
+  auto w = link->recv(5s);
+  REQUIRE(w);
+  CHECK(w->type() == MsgType::shutdown);
+}
+
 TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]") {
   TempDir dir;
   zmq::context_t ctx;
   LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
   auto link =
       connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1).release());
-  link->send(Message{MsgType::hello, 0, Value::map({{"pid", 42}, {"host", "h"}})});
+  link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
 
   auto e = channel.next(5s);
   REQUIRE(e);
   CHECK(e->kind == ChannelEvent::Kind::message);
   CHECK(e->peer == 1);
-  CHECK(e->message.type == MsgType::hello);
-  CHECK(e->message.body["pid"] == Value(42));
+  REQUIRE(e->message.get<proto::Hello>());
+  CHECK(e->message.get<proto::Hello>()->pid == 42);
   CHECK(channel.dropped() == 0);
 
   // And the driver's answer reaches that worker.
-  channel.send(1, Message{MsgType::welcome, 0, Value::map({{"rank", 1}})});
+  proto::Welcome welcome;
+  welcome.self = 1;
+  channel.send(1, Message{0, welcome});
   auto w = link->recv(5s);
   REQUIRE(w);
-  CHECK(w->type == MsgType::welcome);
-  CHECK(w->body["rank"] == Value(1));
+  REQUIRE(w->get<proto::Welcome>());
+  CHECK(w->get<proto::Welcome>()->self == 1);
 }
 
 TEST_CASE("driver channel: lost() from another thread wakes a next() that waits forever", "[zmq]") {
@@ -264,4 +402,26 @@ TEST_CASE("driver channel: a path of 107 characters still binds", "[zmq]") {
   REQUIRE(path.string().size() == 107);
   LocalDriverChannel channel(ctx, path, {"w0"});
   CHECK(fs::exists(path));
+}
+
+TEST_CASE("docs/ARCHITECTURE.md lists every message with the fields the code has", "[zmq]") {
+  const fs::path doc = fs::path(TWINKLE_TEST_DATA) / ".." / "docs" / "ARCHITECTURE.md";
+  std::ifstream in(doc);
+  REQUIRE(in);
+  std::vector<std::string> listed;
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    if (line == "<!-- messages begin -->") {
+      inside = true;
+    } else if (line == "<!-- messages end -->") {
+      inside = false;
+    } else if (inside && !line.starts_with("```")) {
+      listed.push_back(line);
+    }
+  }
+  const auto code = proto::describe_messages();
+  std::string want;
+  for (const auto& l : code) want += l + "\n";
+  INFO("the list between the markers in " << doc.string() << " should read:\n" << want);
+  CHECK(listed == code);
 }

@@ -6,7 +6,7 @@
 
 #include "transports/communicator.hpp"
 
-// Collectives over shared memory for members on one host (DESIGN.md section 9).
+// Collectives over shared memory for members on one host (docs/ARCHITECTURE.md, Collectives).
 //
 // Every member maps one anonymous segment (a memfd that rank 0 creates and the others open through
 // /proc/PID/fd at rendezvous; nothing is named in /dev/shm, so it is gone once the last member

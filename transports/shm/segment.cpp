@@ -140,25 +140,41 @@ void ShmPool::recycle(std::uint64_t id) {
   free_bytes_ += size;
 }
 
-Value decode_to_shm(const twk_value_v1& v, ShmPool* pool) {
-  std::vector<Tensor> tensors;
+namespace {
+
+// The plugin's tensor `i` of `v`, viewed in place (valid while the plugin's value is).
+Tensor plugin_tensor_view(const twk_value_v1& v, std::uint32_t i) {
+  const twk_tensor_v1& t = v.tensors[i];
+  if (!dtype_known(t.dtype) || t.ndim < 0 || (t.ndim > 0 && !t.shape)) {
+    throw ValueError("tensor " + std::to_string(i) + " has an unknown dtype or a bad shape");
+  }
+  std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
+  return Tensor::view(static_cast<DType>(t.dtype), std::move(shape), const_cast<void*>(t.data),
+                      t.nbytes, std::shared_ptr<const void>(t.data, [](const void*) {}));
+}
+
+}  // namespace
+
+EncodedValue adopt_to_shm(const twk_value_v1& v, ShmPool* pool) {
+  EncodedValue out;
+  out.msgpack.assign(reinterpret_cast<const char*>(v.msgpack), v.msgpack_size);
   for (std::uint32_t i = 0; i < v.n_tensors; ++i) {
-    const twk_tensor_v1& t = v.tensors[i];
-    if (!dtype_known(t.dtype) || t.ndim < 0 || (t.ndim > 0 && !t.shape)) {
-      throw ValueError("tensor " + std::to_string(i) + " has an unknown dtype or a bad shape");
-    }
-    std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
-    Tensor view = Tensor::view(static_cast<DType>(t.dtype), shape, const_cast<void*>(t.data),
-                               t.nbytes, std::shared_ptr<const void>(t.data, [](const void*) {}));
-    if (t.nbytes >= kShmThreshold) {
-      Tensor copy = pool ? pool->tensor(view.dtype(), shape) : shm_tensor(view.dtype(), shape);
+    Tensor view = plugin_tensor_view(v, i);
+    if (view.nbytes() >= kShmThreshold) {
+      Tensor copy =
+          pool ? pool->tensor(view.dtype(), view.shape()) : shm_tensor(view.dtype(), view.shape());
       std::memcpy(copy.mutable_data(), view.data(), view.nbytes());
-      tensors.push_back(copy);
+      out.tensors.push_back(copy);
     } else {
-      tensors.push_back(view.clone());
+      out.tensors.push_back(view.clone());
     }
   }
-  return decode(v.msgpack, v.msgpack_size, tensors);
+  return out;
+}
+
+Value decode_to_shm(const twk_value_v1& v, ShmPool* pool) {
+  EncodedValue e = adopt_to_shm(v, pool);
+  return decode(e.msgpack.data(), e.msgpack.size(), e.tensors);
 }
 
 ShmChannel::ShmChannel(int socket_fd, ShmPool* pool) : socket_(socket_fd), pool_(pool) {}

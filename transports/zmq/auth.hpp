@@ -15,13 +15,13 @@
 
 #include "transports/zmq/curve.hpp"
 
-// How TCP sockets authenticate (DESIGN.md section 10, Security): CurveZMQ servers that admit only
+// How TCP sockets authenticate (docs/ARCHITECTURE.md, Security): CurveZMQ servers that admit only
 // allow-listed public keys, clients that pin the server's public key, and the checks that turn a
 // refused handshake into a message that names the fix.
 namespace twinkle::transport {
 
 // Every TCP connection of a cluster sends a heartbeat this often, and a peer silent for
-// kHeartbeatTimeout is disconnected (DESIGN.md section 10, Liveness).
+// kHeartbeatTimeout is disconnected (docs/ARCHITECTURE.md, Liveness).
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{500};
 inline constexpr std::chrono::milliseconds kHeartbeatTimeout{3000};
 

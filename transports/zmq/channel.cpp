@@ -1,8 +1,10 @@
 #include "transports/zmq/channel.hpp"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -26,6 +28,19 @@ zmq::socket_t make_socket(zmq::context_t& context, zmq::socket_type type) {
   return s;
 }
 
+// The next message on a worker's DEALER; what does not decode is dropped into `drops`.
+std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::milliseconds timeout,
+                                    ShmChannel* shm, DropLog& drops) {
+  auto frames = recv_frames(socket, static_cast<int>(timeout.count()));
+  if (!frames) return std::nullopt;
+  try {
+    return decode_message(std::move(*frames), shm);
+  } catch (const ProtocolError& e) {
+    drops.drop(e.what());
+    return std::nullopt;
+  }
+}
+
 class LocalWorkerLink : public WorkerLink {
  public:
   LocalWorkerLink(zmq::context_t& context, const std::string& endpoint, const std::string& identity,
@@ -39,15 +54,17 @@ class LocalWorkerLink : public WorkerLink {
   }
   void send(const Message& m) override { send_message(socket_, m, nullptr, shm_.get()); }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
-    return recv_message(socket_, static_cast<int>(timeout.count()), nullptr,
-                        [this](const std::string&) { return shm_.get(); });
+    return recv_decoded(socket_, timeout, shm_.get(), drops_);
   }
-  Value adopt(const twk_value_v1& v) override { return shm_ ? decode_to_shm(v) : decode(v); }
+  EncodedValue adopt(const twk_value_v1& v) override {
+    return shm_ ? adopt_to_shm(v) : adopt_copy(v);
+  }
   zmq::socket_ref socket() override { return socket_; }
 
  private:
   zmq::socket_t socket_;
   std::unique_ptr<ShmChannel> shm_;
+  DropLog drops_{"the worker's link to its driver"};
 };
 
 class TcpWorkerLink : public WorkerLink {
@@ -80,23 +97,56 @@ class TcpWorkerLink : public WorkerLink {
   ~TcpWorkerLink() override { watch_.reset(); }
   void send(const Message& m) override { send_message(socket_, m); }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
-    return recv_message(socket_, static_cast<int>(timeout.count()));
+    return recv_decoded(socket_, timeout, nullptr, drops_);
   }
-  Value adopt(const twk_value_v1& v) override { return decode(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return adopt_copy(v); }
   zmq::socket_ref socket() override { return socket_; }
 
  private:
   zmq::socket_t socket_;
+  DropLog drops_{"the worker's link to its driver"};
   std::atomic<bool> connected_{false};
   std::unique_ptr<ConnectionWatch> watch_;
 };
 
 }  // namespace
 
+Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
+                   std::chrono::milliseconds timeout) {
+  pollfd fds[8];
+  zmq::socket_ref socks[7];
+  std::size_t n = 0;
+  for (auto s : sockets) {
+    if (n == 7) break;
+    socks[n] = s;
+    fds[n++] = pollfd{s.get(zmq::sockopt::fd), POLLIN, 0};
+  }
+  std::size_t count = n;
+  if (fd >= 0) fds[count++] = pollfd{fd, POLLIN, 0};
+  int rc;
+  do {
+    rc = ::poll(fds, count, static_cast<int>(timeout.count()));
+  } while (rc < 0 && errno == EINTR);
+  Woke woke;
+  if (rc <= 0) return woke;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!fds[i].revents) continue;
+    // Processes the socket's commands (a pipe with new messages becomes readable).
+    (void)socks[i].get(zmq::sockopt::events);
+    woke.sockets |= 1u << i;
+  }
+  woke.fd = fd >= 0 && fds[count - 1].revents != 0;
+  return woke;
+}
+
 RouterDriverChannel::RouterDriverChannel(zmq::context_t& context,
                                          std::vector<std::string> identities)
     : router_(make_socket(context, zmq::socket_type::router)), identities_(std::move(identities)) {
   router_.set(zmq::sockopt::router_mandatory, 1);
+  // A connection that takes a worker's identity before the worker does (a stranger, or a worker
+  // of an older build whose hello is dropped) must not keep it: the worker's own connection,
+  // which comes later, takes it over, and its hello is the one that counts.
+  router_.set(zmq::sockopt::router_handover, 1);
   for (std::size_t i = 0; i < identities_.size(); ++i) by_identity_.emplace(identities_[i], i);
 }
 
@@ -203,22 +253,6 @@ void RouterDriverChannel::lost(std::size_t peer, std::string reason) {
 
 void RouterDriverChannel::wake() { events_.wake(); }
 
-void RouterDriverChannel::drop(const std::string& why) {
-  ++dropped_;
-  const auto now = std::chrono::steady_clock::now();
-  if (now - last_drop_log_ < std::chrono::seconds(1)) {
-    ++dropped_unlogged_;
-    return;
-  }
-  if (dropped_unlogged_ > 0) {
-    std::fprintf(stderr, "twinkle: dropped %llu more message(s) on the control socket\n",
-                 static_cast<unsigned long long>(dropped_unlogged_));
-  }
-  std::fprintf(stderr, "twinkle: dropped a message on the control socket: %s\n", why.c_str());
-  dropped_unlogged_ = 0;
-  last_drop_log_ = now;
-}
-
 std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds timeout) {
   using Clock = std::chrono::steady_clock;
   const bool forever = timeout.count() < 0;
@@ -233,18 +267,16 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
             std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
         if (left <= 0) return std::nullopt;
       }
-      zmq::pollitem_t items[2] = {{router_.handle(), 0, ZMQ_POLLIN, 0},
-                                  {nullptr, events_.fd(), ZMQ_POLLIN, 0}};
-      zmq::poll(items, 2, std::chrono::milliseconds(left));
-      if (items[1].revents & ZMQ_POLLIN) return events_.signalled();
+      if (wait_readable({router_}, events_.fd(), std::chrono::milliseconds(left)).fd)
+        return events_.signalled();
       continue;
     }
     if (frames.empty()) continue;
     const std::string identity = frames.front().to_string();
     auto it = by_identity_.find(identity);
     if (it == by_identity_.end()) {
-      drop(fmt::format("from an unknown peer \"{}\" (not a worker of this run)",
-                       identity.substr(0, 64)));
+      drops_.drop(fmt::format("from an unknown peer \"{}\" (not a worker of this run)",
+                              identity.substr(0, 64)));
       continue;
     }
     frames.erase(frames.begin());
@@ -254,7 +286,7 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
       e.message = decode_message(std::move(frames), shm_of(it->second));
       return e;
     } catch (const TransportError& err) {
-      drop(fmt::format("from worker {}: {}", identity, err.what()));
+      drops_.drop(fmt::format("from worker {}: {}", identity, err.what()));
     }
   }
 }

@@ -38,6 +38,22 @@ struct ChannelEvent {
   std::string reason;    // lost: how the peer was lost ("exited with code 3; ...")
 };
 
+// What woke wait_readable: bit i of `sockets` for sockets[i], `fd` for the descriptor.
+struct Woke {
+  unsigned sockets = 0;
+  bool fd = false;
+  explicit operator bool() const { return sockets != 0 || fd; }
+};
+
+// Waits until one of `sockets` (at most 7) may have a message or `fd` (when >= 0) is readable, up
+// to `timeout` (negative: no limit); nothing woke on timeout. Cheaper than zmq::poll (no first
+// pass, no readiness query of sockets that did not wake): call it only once a non-blocking receive
+// on each of `sockets` found nothing, since ZeroMQ signals a socket's descriptor only for what
+// arrives after that. A socket that woke has its pending commands processed, so that the next
+// non-blocking receive sees what came.
+Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
+                   std::chrono::milliseconds timeout);
+
 // A channel's lost and wake events: queued from any thread, signalled through an eventfd that the
 // channel's next() polls beside its sockets.
 class ChannelEvents {
@@ -57,15 +73,17 @@ class ChannelEvents {
   std::deque<ChannelEvent> pending_;
 };
 
-// The driver's end of the channels to every worker of a run. Peers are numbered 0..n-1 and known
-// by identities fixed before they connect; a message from any other identity, or one that does not
-// decode, is dropped and counted (logged at most once a second), never fatal.
-// send() and next() are called from one thread (the driver's); lost() and wake() from any.
-class DriverChannel {
+// A caller's channels to the workers it calls: the driver's to every worker of its run
+// (RouterDriverChannel), or a worker's to the other workers (PeerChannel, calls between groups).
+// A CallTable runs over either. Peers are numbered 0..n-1 and known by identities fixed before they
+// connect; a message from any other identity, or one that does not decode, is dropped and counted
+// (DropLog), never fatal. send() and next() are called from one thread (the caller's); lost() and
+// wake() from any.
+class CallChannel {
  public:
-  virtual ~DriverChannel() = default;
+  virtual ~CallChannel() = default;
 
-  // What workers connect to.
+  // What workers connect to (a PeerChannel, which only connects: the worker's name).
   virtual const std::string& endpoint() const = 0;
   // Queues `m` for `peer`. Throws TransportError when the peer is unreachable.
   virtual void send(std::size_t peer, const Message& m) = 0;
@@ -79,8 +97,8 @@ class DriverChannel {
   virtual std::uint64_t dropped() const = 0;
   // A value the plugin handed over (which must be copied out of its memory) in the form this
   // channel sends best: local channels put large tensors straight into shared memory, so that
-  // slices of them reach the workers without another copy.
-  virtual Value adopt(const twk_value_v1& v) = 0;
+  // slices of them reach the workers without another copy. Not decoded.
+  virtual EncodedValue adopt(const twk_value_v1& v) = 0;
 };
 
 // A worker's end of the channel to its driver. Used from one thread.
@@ -88,18 +106,18 @@ class WorkerLink {
  public:
   virtual ~WorkerLink() = default;
   virtual void send(const Message& m) = 0;
-  // The next message, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
-  // Throws TransportError for a message that does not decode.
+  // The next message, waiting at most `timeout` (negative: until one comes); nullopt on timeout
+  // or when what came did not decode (dropped, counted and logged: DropLog).
   virtual std::optional<Message> recv(std::chrono::milliseconds timeout) = 0;
-  // A value the plugin handed over, in the form this channel sends best (DriverChannel::adopt).
-  virtual Value adopt(const twk_value_v1& v) = 0;
+  // A value the plugin handed over, in the form this channel sends best (CallChannel::adopt).
+  virtual EncodedValue adopt(const twk_value_v1& v) = 0;
   // The socket to poll beside others (a worker also serves calls from other workers).
   virtual zmq::socket_ref socket() = 0;
 };
 
 // The driver's end as a ZeroMQ ROUTER: what local and TCP channels share (peers by identity,
 // lost and wake events through an eventfd, dropped messages counted and rate-limit logged).
-class RouterDriverChannel : public DriverChannel {
+class RouterDriverChannel : public CallChannel {
  public:
   ~RouterDriverChannel() override;
 
@@ -108,7 +126,7 @@ class RouterDriverChannel : public DriverChannel {
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
-  std::uint64_t dropped() const override { return dropped_; }
+  std::uint64_t dropped() const override { return drops_.count(); }
 
  protected:
   RouterDriverChannel(zmq::context_t& context, std::vector<std::string> identities);
@@ -120,13 +138,9 @@ class RouterDriverChannel : public DriverChannel {
   std::vector<std::string> identities_;
 
  private:
-  void drop(const std::string& why);
-
   std::unordered_map<std::string, std::size_t> by_identity_;
   ChannelEvents events_;
-  std::uint64_t dropped_ = 0;
-  std::uint64_t dropped_unlogged_ = 0;
-  std::chrono::steady_clock::time_point last_drop_log_{};
+  DropLog drops_{"the control socket"};
 };
 
 // Local workers: a ZeroMQ ROUTER on a Unix socket, plus one descriptor channel per worker over
@@ -145,7 +159,7 @@ class LocalDriverChannel : public RouterDriverChannel {
   // (connect_local_worker's `shm_fd`). Once per peer.
   Fd take_worker_end(std::size_t peer);
 
-  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v, &pool_); }
+  EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
 
  private:
   ShmChannel* shm_of(std::size_t peer) override { return shm_.at(peer).get(); }
@@ -162,7 +176,7 @@ class TcpDriverChannel : public RouterDriverChannel {
  public:
   TcpDriverChannel(zmq::context_t& context, const std::string& host,
                    std::vector<std::string> identities, const SocketSecurity& security);
-  Value adopt(const twk_value_v1& v) override { return decode(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return adopt_copy(v); }
 
  private:
   ShmChannel* shm_of(std::size_t) override { return nullptr; }

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-// CurveZMQ keys: how members of a cluster prove who they are (DESIGN.md section 10, Security).
+// CurveZMQ keys: how members of a cluster prove who they are (docs/ARCHITECTURE.md, Security).
 // Keys are 40-character Z85 text. A member keeps its key pair in a private file; the head and the
 // agents keep the public keys they accept in an allow-list file, one key per line.
 namespace twinkle::transport {

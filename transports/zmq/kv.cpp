@@ -47,10 +47,11 @@ void KvServer::serve(zmq::socket_t& socket) {
   std::map<std::string, std::string> values;
   std::map<std::string, std::vector<std::pair<std::string, std::uint64_t>>> waiting;
   auto answer = [&](const std::string& to, std::uint64_t id, const std::string& value) {
-    Bytes b;
-    b.data.assign(value.begin(), value.end());
-    send_message(socket, Message{MsgType::kv_value, id, Value(std::move(b))}, &to);
+    proto::KvValue v;
+    v.value.data.assign(value.begin(), value.end());
+    send_message(socket, Message{id, std::move(v)}, &to);
   };
+  DropLog drops("the rendezvous store");
   while (!stop_) {
     // Waits for a request or for the destructor's wake-up: no polling interval to sit out.
     zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0},
@@ -60,31 +61,29 @@ void KvServer::serve(zmq::socket_t& socket) {
     std::string from;
     std::optional<Message> m;
     try {
-      m = recv_message(socket, 0, &from);
-    } catch (const TransportError&) {
-      continue;  // a malformed request is dropped; its sender times out with a clear message
+      // A malformed request is dropped; its sender times out with a clear message.
+      auto frames = recv_frames(socket, 0, &from);
+      if (!frames) continue;
+      m = decode_message(std::move(*frames));
+    } catch (const TransportError& e) {
+      drops.drop(e.what());
+      continue;
     }
-    if (!m) continue;
-    try {
-      if (m->type == MsgType::kv_set) {
-        const std::string key = m->body["key"].as<std::string>();
-        const auto& data = m->body["value"].as<Bytes>().data;
-        std::string value(data.begin(), data.end());
-        values[key] = value;
-        if (auto w = waiting.find(key); w != waiting.end()) {
-          for (const auto& [to, id] : w->second) answer(to, id, value);
-          waiting.erase(w);
-        }
-      } else if (m->type == MsgType::kv_get) {
-        const std::string key = m->body["key"].as<std::string>();
-        if (auto v = values.find(key); v != values.end()) {
-          answer(from, m->id, v->second);
-        } else {
-          waiting[key].emplace_back(from, m->id);
-        }
+    if (auto* set = m->get<proto::KvSet>()) {
+      std::string value(set->value.data.begin(), set->value.data.end());
+      values[set->key] = value;
+      if (auto w = waiting.find(set->key); w != waiting.end()) {
+        for (const auto& [to, id] : w->second) answer(to, id, value);
+        waiting.erase(w);
       }
-    } catch (const std::exception&) {
-      // Same as a malformed message: dropped.
+    } else if (auto* get = m->get<proto::KvGet>()) {
+      if (auto v = values.find(get->key); v != values.end()) {
+        answer(from, m->id, v->second);
+      } else {
+        waiting[get->key].emplace_back(from, m->id);
+      }
+    } else {
+      drops.drop(fmt::format("a {} message is not a request to the store", to_string(m->type())));
     }
   }
 }
@@ -99,16 +98,16 @@ KvClient::KvClient(zmq::context_t& context, const std::string& endpoint,
 
 void KvClient::set(const std::string& key, const std::string& value) {
   std::lock_guard lock(mu_);
-  Bytes b;
-  b.data.assign(value.begin(), value.end());
-  send_message(socket_, Message{MsgType::kv_set, 0,
-                                Value::map({{"key", key}, {"value", Value(std::move(b))}})});
+  proto::KvSet set;
+  set.key = key;
+  set.value.data.assign(value.begin(), value.end());
+  send_message(socket_, Message{0, std::move(set)});
 }
 
 std::string KvClient::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::lock_guard lock(mu_);
   const std::uint64_t id = ++next_id_;
-  send_message(socket_, Message{MsgType::kv_get, id, Value::map({{"key", key}})});
+  send_message(socket_, Message{id, proto::KvGet{key}});
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -118,12 +117,17 @@ std::string KvClient::get(const std::string& key, std::chrono::milliseconds time
           fmt::format("rendezvous: key \"{}\" was not set within {} ms (a peer did not join)", key,
                       timeout.count()));
     }
-    auto m = recv_message(socket_, static_cast<int>(left.count()));
-    // Answers to earlier requests that timed out are skipped.
-    if (m && m->type == MsgType::kv_value && m->id == id) {
-      const auto& data = m->body.as<Bytes>().data;
-      return std::string(data.begin(), data.end());
+    auto frames = recv_frames(socket_, static_cast<int>(left.count()));
+    if (!frames) continue;
+    Message m;
+    try {
+      m = decode_message(std::move(*frames));
+    } catch (const ProtocolError&) {
+      continue;  // not the store's answer; the deadline still holds
     }
+    // Answers to earlier requests that timed out are skipped.
+    const auto* v = m.get<proto::KvValue>();
+    if (v && m.id == id) return std::string(v->value.data.begin(), v->value.data.end());
   }
 }
 

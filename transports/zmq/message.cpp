@@ -1,12 +1,15 @@
 #include "transports/zmq/message.hpp"
 
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include <zmq_addon.hpp>
 
 #include <fmt/format.h>
 
+#include "transports/zmq/codec.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::transport {
@@ -28,89 +31,56 @@ std::uint64_t get_le(const unsigned char* p, int bytes) {
 
 // Keeps a tensor's storage alive while ZeroMQ holds a frame that points into it.
 void release_tensor(void*, void* hint) { delete static_cast<Tensor*>(hint); }
+void release_buffer(void* data, void*) { std::free(data); }
 
-}  // namespace
-
-const char* to_string(MsgType t) {
-  switch (t) {
-    case MsgType::hello: return "hello";
-    case MsgType::welcome: return "welcome";
-    case MsgType::create: return "create";
-    case MsgType::created: return "created";
-    case MsgType::call: return "call";
-    case MsgType::reply: return "reply";
-    case MsgType::shutdown: return "shutdown";
-    case MsgType::kv_set: return "kv_set";
-    case MsgType::kv_get: return "kv_get";
-    case MsgType::kv_value: return "kv_value";
-    case MsgType::comm_join: return "comm_join";
-    case MsgType::peer_lost: return "peer_lost";
-    case MsgType::probe: return "probe";
-    case MsgType::node_register: return "node_register";
-    case MsgType::node_welcome: return "node_welcome";
-    case MsgType::heartbeat: return "heartbeat";
-    case MsgType::reregister: return "reregister";
-    case MsgType::nodes_query: return "nodes_query";
-    case MsgType::nodes_info: return "nodes_info";
-    case MsgType::reserve: return "reserve";
-    case MsgType::reservation: return "reservation";
-    case MsgType::release: return "release";
-    case MsgType::lease: return "lease";
-    case MsgType::launch: return "launch";
-    case MsgType::launched: return "launched";
-    case MsgType::need_plugin: return "need_plugin";
-    case MsgType::plugin: return "plugin";
-    case MsgType::stop_job: return "stop_job";
-    case MsgType::stopped: return "stopped";
-    case MsgType::worker_exit: return "worker_exit";
-    case MsgType::output: return "output";
-    case MsgType::node_dead: return "node_dead";
-    case MsgType::kill_job: return "kill_job";
-    case MsgType::node_leave: return "node_leave";
-  }
-  return "unknown";
-}
-
-std::vector<zmq::message_t> encode_message(const Message& m, ShmChannel* channel) {
-  std::vector<zmq::message_t> frames;
-  zmq::message_t header(kHeaderSize);
-  auto* h = static_cast<unsigned char*>(header.data());
+// Frame 0 and the tensor frames of a message whose body `pack` writes.
+template <class Pack>
+Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
+  msgpack::sbuffer buf(256);
+  unsigned char h[kHeaderSize];
   std::memcpy(h, kMagic, 4);
   put_le(h + 4, kProtocolVersion, 2);
-  put_le(h + 6, static_cast<std::uint16_t>(m.type), 2);
-  put_le(h + 8, m.id, 8);
-  frames.push_back(std::move(header));
+  put_le(h + 6, static_cast<std::uint16_t>(type), 2);
+  put_le(h + 8, id, 8);
+  buf.write(reinterpret_cast<const char*>(h), sizeof h);
+  std::vector<Tensor> tensors;
+  pack(buf, tensors);
 
-  EncodedValue e = encode(m.body);
-  frames.emplace_back(e.msgpack.data(), e.msgpack.size());
-  Value::List table;
-  for (auto& t : e.tensors) {
-    Value::List entry;
-    entry.emplace_back(static_cast<int>(t.dtype()));
-    entry.emplace_back(t.shape());
-    if (channel && t.nbytes() >= kShmThreshold) {
-      if (t.shm_fd() < 0) {
-        Tensor copy = shm_tensor(t.dtype(), t.shape());
-        std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
-        t = copy;
-      }
-      entry.emplace_back(static_cast<std::int64_t>(channel->send(t.shm_fd())));
-      entry.emplace_back(static_cast<std::int64_t>(t.shm_offset()));
-      entry.emplace_back(
-          static_cast<std::int64_t>(channel->pool() ? channel->pool()->sent(t.shm_fd()) : 0));
-      t = Tensor();  // its frame stays empty
-    }
-    table.emplace_back(std::move(entry));
-  }
   // Which of the peer's pooled segments this side let go of since the last message: the peer may
-  // reuse them. Part of the framing, never of the body.
-  Value::List released;
-  if (channel) {
-    for (std::uint64_t id : channel->take_released()) released.emplace_back(id);
+  // reuse them.
+  std::vector<std::uint64_t> released;
+  if (channel) released = channel->take_released();
+  if (!tensors.empty() || !released.empty()) {
+    detail::Packer pk(buf);
+    pk.pack_array(2);
+    pk.pack_array(static_cast<std::uint32_t>(tensors.size()));
+    for (auto& t : tensors) {
+      const bool shm = channel && t.nbytes() >= kShmThreshold;
+      pk.pack_array(shm ? 5 : 2);
+      pk.pack_int32(static_cast<std::int32_t>(t.dtype()));
+      pk.pack_array(static_cast<std::uint32_t>(t.shape().size()));
+      for (auto d : t.shape()) pk.pack_int64(d);
+      if (shm) {
+        if (t.shm_fd() < 0) {
+          Tensor copy = shm_tensor(t.dtype(), t.shape());
+          std::memcpy(copy.mutable_data(), t.data(), t.nbytes());
+          t = copy;
+        }
+        pk.pack_uint64(channel->send(t.shm_fd()));
+        pk.pack_uint64(t.shm_offset());
+        pk.pack_uint64(channel->pool() ? channel->pool()->sent(t.shm_fd()) : 0);
+        t = Tensor();  // its frame stays empty
+      }
+    }
+    pk.pack_array(static_cast<std::uint32_t>(released.size()));
+    for (auto r : released) pk.pack_uint64(r);
   }
-  EncodedValue te = encode(Value::list({Value(std::move(table)), Value(std::move(released))}));
-  frames.emplace_back(te.msgpack.data(), te.msgpack.size());
-  for (auto& t : e.tensors) {
+
+  Frames frames;
+  frames.reserve(1 + tensors.size());
+  const std::size_t size = buf.size();
+  frames.emplace_back(buf.release(), size, &release_buffer, nullptr);
+  for (auto& t : tensors) {
     if (!t.defined() || t.nbytes() == 0) {
       frames.emplace_back();
       continue;
@@ -122,86 +92,196 @@ std::vector<zmq::message_t> encode_message(const Message& m, ShmChannel* channel
   return frames;
 }
 
-Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel) {
-  if (frames.size() < 3) {
-    throw TransportError(
-        fmt::format("malformed message: {} frame(s), at least 3 expected", frames.size()));
+// Strings and bytes stay in the frame while it is decoded: no copy into the parser's zone.
+bool reference_all(msgpack::type::object_type, std::size_t, void*) { return true; }
+
+msgpack::object_handle unpack_at(const char* data, std::size_t size, std::size_t& offset,
+                                 const char* what) {
+  try {
+    // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
+    const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
+    return msgpack::unpack(data, size, offset, &reference_all, nullptr,
+                           msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 8));
+  } catch (const std::exception& e) {
+    throw ProtocolError(
+        fmt::format("malformed message: its {} is not msgpack ({})", what, e.what()));
   }
-  if (frames[0].size() != kHeaderSize || std::memcmp(frames[0].data(), kMagic, 4) != 0) {
-    throw TransportError(
+}
+
+struct Unframed {
+  MsgType type;
+  std::uint64_t id;
+  msgpack::object_handle body;  // strings in it point into frame 0
+  std::vector<Tensor> tensors;
+  std::shared_ptr<Frames> frames;  // keeps frame 0 while the body is converted
+};
+
+std::int64_t checked_int(const msgpack::object& o, const char* what, std::size_t i) {
+  if (o.type == msgpack::type::POSITIVE_INTEGER &&
+      o.via.u64 <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    return static_cast<std::int64_t>(o.via.u64);
+  if (o.type == msgpack::type::NEGATIVE_INTEGER) return o.via.i64;
+  throw ProtocolError(fmt::format("malformed message: tensor {} has a bad {}", i, what));
+}
+
+Unframed unframe(Frames&& frames, ShmChannel* channel) {
+  if (frames.empty()) throw ProtocolError("malformed message: no frames");
+  const zmq::message_t& f0 = frames[0];
+  if (f0.size() < kHeaderSize || std::memcmp(f0.data(), kMagic, 4) != 0) {
+    throw ProtocolError(
         "malformed message: no twinkle header (is another program talking to this socket?)");
   }
-  const auto* h = static_cast<const unsigned char*>(frames[0].data());
+  const auto* h = static_cast<const unsigned char*>(f0.data());
   const auto version = static_cast<std::uint16_t>(get_le(h + 4, 2));
   if (version != kProtocolVersion) {
-    throw TransportError(
+    throw ProtocolError(
         fmt::format("protocol version {} from the peer, this twinkle speaks {}; run the same "
                     "twinkle build everywhere",
                     version, kProtocolVersion));
   }
-  Message m;
+  Unframed u;
   const auto type = static_cast<std::uint16_t>(get_le(h + 6, 2));
-  if (std::string_view(to_string(static_cast<MsgType>(type))) == "unknown") {
-    throw TransportError(fmt::format("malformed message: unknown type {}", type));
-  }
-  m.type = static_cast<MsgType>(type);
-  m.id = get_le(h + 8, 8);
+  u.type = static_cast<MsgType>(type);
+  if (std::string_view(to_string(u.type)) == "unknown")
+    throw ProtocolError(fmt::format("malformed message: unknown type {}", type));
+  u.id = get_le(h + 8, 8);
 
   // The frames are owned by shared storage so that received tensors can view them.
-  auto owned = std::make_shared<std::vector<zmq::message_t>>(std::move(frames));
+  auto owned = std::make_shared<Frames>(std::move(frames));
+  const char* data = static_cast<const char*>((*owned)[0].data());
+  const std::size_t size = (*owned)[0].size();
+  std::size_t offset = kHeaderSize;
+  if (offset == size) throw ProtocolError("malformed message: no body after the header");
+  u.body = unpack_at(data, size, offset, "body");
+  const std::size_t n_tensors = owned->size() - 1;
+  if (offset == size) {
+    if (n_tensors != 0) {
+      throw ProtocolError(
+          fmt::format("malformed message: {} tensor frame(s) and no tensor table", n_tensors));
+    }
+    u.frames = std::move(owned);
+    return u;
+  }
+  msgpack::object_handle th = unpack_at(data, size, offset, "tensor table");
+  if (offset != size) throw ProtocolError("malformed message: trailing bytes after the table");
+  const msgpack::object& t = th.get();
+  if (t.type != msgpack::type::ARRAY || t.via.array.size != 2 ||
+      t.via.array.ptr[0].type != msgpack::type::ARRAY ||
+      t.via.array.ptr[1].type != msgpack::type::ARRAY) {
+    throw ProtocolError("malformed message: the tensor table is not [tensors, released]");
+  }
+  const msgpack::object& table = t.via.array.ptr[0];
+  if (table.via.array.size != n_tensors) {
+    throw ProtocolError(
+        fmt::format("malformed message: the tensor table lists {} tensor(s) for {} frame(s)",
+                    table.via.array.size, n_tensors));
+  }
+  for (std::size_t i = 0; i < n_tensors; ++i) {
+    const msgpack::object& d = table.via.array.ptr[i];
+    if (d.type != msgpack::type::ARRAY || (d.via.array.size != 2 && d.via.array.size != 5) ||
+        d.via.array.ptr[1].type != msgpack::type::ARRAY) {
+      throw ProtocolError(
+          fmt::format("malformed message: tensor {} is not [dtype, shape, ...]", i));
+    }
+    const std::int64_t dtype = checked_int(d.via.array.ptr[0], "dtype", i);
+    if (dtype < 0 || dtype > std::numeric_limits<std::int32_t>::max() ||
+        !dtype_known(static_cast<std::int32_t>(dtype)))
+      throw ProtocolError(fmt::format("malformed message: tensor {} has dtype {}", i, dtype));
+    const DType dt = static_cast<DType>(dtype);
+    std::vector<std::int64_t> shape;
+    const msgpack::object& s = d.via.array.ptr[1];
+    std::uint64_t numel = 1;
+    for (std::uint32_t k = 0; k < s.via.array.size; ++k) {
+      const std::int64_t x = checked_int(s.via.array.ptr[k], "dimension", i);
+      if (x < 0)
+        throw ProtocolError(
+            fmt::format("malformed message: tensor {} has a negative dimension", i));
+      // No product may wrap: a shape whose bytes exceed what a process can address is refused.
+      if (x != 0 && numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(dt) /
+                                static_cast<std::uint64_t>(x))
+        throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
+      numel *= static_cast<std::uint64_t>(x);
+      shape.push_back(x);
+    }
+    const std::uint64_t nbytes64 = numel * dtype_size(dt);
+    if (nbytes64 > std::numeric_limits<std::size_t>::max() / 2)
+      throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
+    const auto nbytes = static_cast<std::size_t>(nbytes64);
+    if (d.via.array.size == 5) {
+      if (!channel)
+        throw ProtocolError("malformed message: a shared-memory tensor without a channel");
+      const auto token = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[2], "token", i));
+      const auto at = static_cast<std::size_t>(checked_int(d.via.array.ptr[3], "offset", i));
+      const auto pool = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[4], "pool id", i));
+      const int fd = channel->receive(token);
+      auto seg = channel->map(fd, at, nbytes, pool);
+      u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
+      continue;
+    }
+    auto& fr = (*owned)[1 + i];
+    try {
+      u.tensors.push_back(Tensor::view(dt, shape, fr.data(), fr.size(),
+                                       std::shared_ptr<const void>(owned, fr.data())));
+    } catch (const ValueError& e) {
+      throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
+    }
+  }
+  if (channel && channel->pool()) {
+    const msgpack::object& rel = t.via.array.ptr[1];
+    for (std::uint32_t k = 0; k < rel.via.array.size; ++k) {
+      channel->pool()->released(
+          static_cast<std::uint64_t>(checked_int(rel.via.array.ptr[k], "released id", k)));
+    }
+  }
+  u.frames = std::move(owned);
+  return u;
+}
+
+template <class Body, class Unpack>
+Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType),
+                         Unpack&& unpack_body) {
+  Unframed u = unframe(std::move(frames), channel);
+  if (!family(u.type)) {
+    throw ProtocolError(fmt::format(
+        "malformed message: a {} message is not expected on this socket", to_string(u.type)));
+  }
+  Envelope<Body> m;
+  m.id = u.id;
   try {
-    Value framing = decode((*owned)[2].data(), (*owned)[2].size(), {});
-    if (!framing.is_list() || framing.size() != 2 || !framing[1].is_list()) {
-      throw TransportError("malformed message: the tensor frame is not [tensors, released]");
-    }
-    const Value& table = framing[0];
-    if (!table.is_list() || table.size() != owned->size() - 3) {
-      throw TransportError(
-          fmt::format("malformed message: the tensor table lists {} tensor(s) for {} frame(s)",
-                      table.is_list() ? table.size() : 0, owned->size() - 3));
-    }
-    std::vector<Tensor> tensors;
-    for (std::size_t i = 0; i < table.size(); ++i) {
-      const Value& d = table[i];
-      auto dtype = d[0].as<int>();
-      if (!dtype_known(dtype))
-        throw TransportError(fmt::format("malformed message: tensor {} has dtype {}", i, dtype));
-      auto shape = d[1].as<std::vector<std::int64_t>>();
-      std::int64_t numel = 1;
-      for (auto x : shape) {
-        if (x < 0)
-          throw TransportError(
-              fmt::format("malformed message: tensor {} has a negative dimension", i));
-        numel *= x;
-      }
-      const std::size_t nbytes =
-          static_cast<std::size_t>(numel) * dtype_size(static_cast<DType>(dtype));
-      if (d.size() == 5) {
-        if (!channel)
-          throw TransportError("malformed message: a shared-memory tensor without a channel");
-        const int fd = channel->receive(d[2].as<std::uint64_t>());
-        auto seg = channel->map(fd, d[3].as<std::size_t>(), nbytes, d[4].as<std::uint64_t>());
-        tensors.push_back(Tensor::view_fd(static_cast<DType>(dtype), shape, seg->data(), nbytes,
-                                          seg, seg->fd(), d[3].as<std::size_t>()));
-        continue;
-      }
-      auto& frame = (*owned)[3 + i];
-      tensors.push_back(Tensor::view(static_cast<DType>(dtype), shape, frame.data(), frame.size(),
-                                     std::shared_ptr<const void>(owned, frame.data())));
-    }
-    m.body = decode((*owned)[1].data(), (*owned)[1].size(), tensors);
-    if (channel && channel->pool()) {
-      for (const auto& id : framing[1]) channel->pool()->released(id.as<std::uint64_t>());
-    }
-  } catch (const ValueError& e) {
-    throw TransportError(fmt::format("malformed {} message: {}", to_string(m.type), e.what()));
+    m.body = unpack_body(u.type, u.body.get(), u.tensors);
+  } catch (const ProtocolError& e) {
+    throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   }
   return m;
 }
 
-void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity,
-                  ShmChannel* channel) {
-  auto frames = encode_message(m, channel);
+}  // namespace
+
+Frames encode_message(const Message& m, ShmChannel* channel) {
+  return frame(
+      m.type(), m.id,
+      [&](msgpack::sbuffer& buf, std::vector<Tensor>& t) { detail::pack_body(buf, m.body, t); },
+      channel);
+}
+
+Frames encode_message(const ClusterMessage& m) {
+  return frame(
+      m.type(), m.id,
+      [&](msgpack::sbuffer& buf, std::vector<Tensor>& t) { detail::pack_body(buf, m.body, t); },
+      nullptr);
+}
+
+Message decode_message(Frames&& frames, ShmChannel* channel) {
+  return decode_as<proto::Control>(std::move(frames), channel, &detail::is_control,
+                                   &detail::unpack_control);
+}
+
+ClusterMessage decode_cluster_message(Frames&& frames) {
+  return decode_as<proto::Cluster>(std::move(frames), nullptr, &detail::is_cluster,
+                                   &detail::unpack_cluster);
+}
+
+void send_frames(zmq::socket_t& socket, Frames&& frames, const std::string* identity) {
   if (identity) socket.send(zmq::buffer(*identity), zmq::send_flags::sndmore);
   for (std::size_t i = 0; i < frames.size(); ++i) {
     socket.send(frames[i],
@@ -209,9 +289,17 @@ void send_message(zmq::socket_t& socket, const Message& m, const std::string* id
   }
 }
 
-std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms, std::string* identity,
-                                    const ChannelOf& channel_of) {
-  std::vector<zmq::message_t> frames;
+void send_message(zmq::socket_t& socket, const Message& m, const std::string* identity,
+                  ShmChannel* channel) {
+  send_frames(socket, encode_message(m, channel), identity);
+}
+
+void send_message(zmq::socket_t& socket, const ClusterMessage& m, const std::string* identity) {
+  send_frames(socket, encode_message(m), identity);
+}
+
+std::optional<Frames> recv_frames(zmq::socket_t& socket, int timeout_ms, std::string* identity) {
+  Frames frames;
   // A message already waiting is taken without a poll: one system call less on the hot path.
   if (!zmq::recv_multipart(socket, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
     if (timeout_ms == 0) return std::nullopt;
@@ -226,12 +314,11 @@ std::optional<Message> recv_message(zmq::socket_t& socket, int timeout_ms, std::
     }
   }
   if (identity) {
-    if (frames.empty()) throw TransportError("malformed message: no identity frame");
+    if (frames.empty()) throw ProtocolError("malformed message: no identity frame");
     *identity = frames.front().to_string();
     frames.erase(frames.begin());
   }
-  return decode_message(std::move(frames),
-                        channel_of ? channel_of(identity ? *identity : std::string()) : nullptr);
+  return frames;
 }
 
 }  // namespace twinkle::transport

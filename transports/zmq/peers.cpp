@@ -106,16 +106,15 @@ ShmChannel* ServeSocket::shm_of(const std::string& caller) {
 
 std::optional<ServeSocket::Request> ServeSocket::recv(std::chrono::milliseconds timeout) {
   std::string from;
-  try {
-    auto m = recv_message(socket_, static_cast<int>(timeout.count()), &from,
-                          [this](const std::string& caller) { return shm_of(caller); });
-    if (!m) return std::nullopt;
-    return Request{std::move(from), std::move(*m)};
-  } catch (const TransportError& e) {
-    std::fprintf(stderr, "twinkle worker: dropped a message from worker \"%s\": %s\n",
-                 from.substr(0, 64).c_str(), e.what());
-    std::fflush(stderr);
-    return std::nullopt;
+  for (;;) {
+    try {
+      auto frames = recv_frames(socket_, static_cast<int>(timeout.count()), &from);
+      if (!frames) return std::nullopt;
+      return Request{from, decode_message(std::move(*frames), shm_of(from))};
+    } catch (const TransportError& e) {
+      drops_.drop(fmt::format("from \"{}\": {}", from.substr(0, 64), e.what()));
+      timeout = std::chrono::milliseconds(0);  // whatever else is there, without waiting again
+    }
   }
 }
 
@@ -210,18 +209,14 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
     // Replies first: every connection that has one.
     for (std::size_t peer : open_) {
       try {
-        if (auto m = recv_message(*sockets_[peer], 0, nullptr,
-                                  [&](const std::string&) { return shm_[peer].get(); })) {
+        if (auto frames = recv_frames(*sockets_[peer], 0)) {
           ChannelEvent e;
           e.peer = peer;
-          e.message = std::move(*m);
+          e.message = decode_message(std::move(*frames), shm_[peer].get());
           return e;
         }
       } catch (const TransportError& err) {
-        ++dropped_;
-        std::fprintf(stderr, "twinkle worker %s: dropped a message from worker %s: %s\n",
-                     identity_.c_str(), names_[peer].c_str(), err.what());
-        std::fflush(stderr);
+        drops_.drop(fmt::format("from worker {}: {}", names_[peer], err.what()));
         continue;
       }
     }

@@ -17,9 +17,10 @@
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
 
-// Calls between groups (DESIGN.md 10b): worker-to-worker traffic. Every worker serves calls from
-// the other workers of its run on a socket of its own (ServeSocket); a worker that calls another
-// opens a connection to it the first time (PeerChannel). The driver only hands out the addresses.
+// Calls between groups (docs/ARCHITECTURE.md, Calls between groups): worker-to-worker traffic.
+// Every worker serves calls from the other workers of its run on a socket of its own (ServeSocket);
+// a worker that calls another opens a connection to it the first time (PeerChannel). The driver
+// only hands out the addresses.
 namespace twinkle::transport {
 
 // A worker's ROUTER for calls from other workers: ipc in local mode, TCP (CURVE with the run's
@@ -44,7 +45,7 @@ class ServeSocket {
   const std::string& endpoint() const { return endpoint_; }
   zmq::socket_ref socket() { return socket_; }
   // The next request, waiting at most `timeout`; nullopt when none came. A message that does not
-  // decode is dropped with a line on stderr (nothing else of the run is affected).
+  // decode is dropped (DropLog; nothing else of the run is affected).
   std::optional<Request> recv(std::chrono::milliseconds timeout);
   void reply(const std::string& to, const Message& m);
   // Where large results for callers go (segments come back when the callers let go of them).
@@ -61,17 +62,18 @@ class ServeSocket {
   Fd listener_;
   ShmPool pool_;                                            // before the channels that use it
   std::map<std::string, std::unique_ptr<ShmChannel>> shm_;  // by caller name
+  DropLog drops_{"the socket for calls from other workers"};
 };
 
 // Where a worker serving at ipc://PATH takes descriptor connections: PATH.fd ("" for TCP).
 std::string shm_listener_path(const std::string& serve_endpoint);
 
-// A worker's connections to the serve sockets of the other workers, as a DriverChannel: the call
+// A worker's connections to the serve sockets of the other workers, as a CallChannel: the call
 // table a worker uses for its calls between groups runs over it unchanged. Peers are the run's
 // workers by index; each gets a DEALER (identity: this worker's name) when first sent to.
 // While next() waits it also watches other sockets (the worker's driver link and serve socket)
 // and runs their handlers, so that a worker waiting for another still answers what must not wait.
-class PeerChannel : public DriverChannel {
+class PeerChannel : public CallChannel {
  public:
   // `endpoints[i]`: worker i's serve socket. `security`: the run's worker keys as a client of
   // the other workers' CURVE servers (empty: plain).
@@ -90,10 +92,10 @@ class PeerChannel : public DriverChannel {
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
-  std::uint64_t dropped() const override { return dropped_; }
+  std::uint64_t dropped() const override { return drops_.count(); }
   // Tensors of kShmThreshold bytes or more go straight into shared memory, in segments that are
   // reused once the workers they went to let go of them.
-  Value adopt(const twk_value_v1& v) override { return decode_to_shm(v, &pool_); }
+  EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
 
  private:
   zmq::socket_t& connection(std::size_t peer);
@@ -113,7 +115,7 @@ class PeerChannel : public DriverChannel {
   std::chrono::milliseconds tick_interval_{0};
   std::function<void()> tick_;
   ChannelEvents events_;
-  std::uint64_t dropped_ = 0;
+  DropLog drops_{"a worker's connections to the other workers"};
 };
 
 }  // namespace twinkle::transport

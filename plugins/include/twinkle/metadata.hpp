@@ -1,7 +1,7 @@
-// The metadata on every remote method (DESIGN.md section 5) as C++ enums, shared by the loader,
-// the transports and the runtime. Their values are the C constants of <twinkle/plugin.h>, checked
-// at compile time, so a value read from a plugin table converts with a static_cast after a range
-// check.
+// The metadata on every remote method (twinkle-plugin(7), DISPATCH, EXECUTE, COLLECT) as C++ enums,
+// shared by the loader, the transports and the runtime. Their values are the C constants of
+// <twinkle/plugin.h>, checked at compile time, so a value read from a plugin table converts with a
+// static_cast after a range check.
 #pragma once
 
 #include <string_view>

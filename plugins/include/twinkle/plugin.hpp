@@ -41,7 +41,7 @@ class RemoteError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The metadata of a remote method (DESIGN.md section 5).
+// The metadata of a remote method (twinkle-plugin(7), DISPATCH, EXECUTE, COLLECT).
 namespace dispatch {
 struct Spec {
   std::int32_t kind;
@@ -403,9 +403,9 @@ class Context {
     return Communicator(host_, ctx_->host_ctx, std::string(dim));
   }
 
-  // Calls between groups (DESIGN.md 10b). Constructs `cls` on the workers of another group (a
-  // class with execute = peer: only on this rank's peer block of it) and waits until all are
-  // built; its handle calls them straight from this worker.
+  // Calls between groups (twinkle-plugin(7), CALLS BETWEEN GROUPS). Constructs `cls` on the workers
+  // of another group (a class with execute = peer: only on this rank's peer block of it) and waits
+  // until all are built; its handle calls them straight from this worker.
   template <class... A>
   Handle create(std::string_view cls, GroupRef group, A&&... args) const;
   template <class Cls, class... A>

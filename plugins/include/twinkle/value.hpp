@@ -670,10 +670,17 @@ inline Value decode(const void* data, std::size_t size, const std::vector<Tensor
   return detail::unpack_value(oh.get(), tensors, 0);
 }
 
-// Decodes a value received across the ABI. Tensor payloads are copied, unless the sender offers
-// retain/release, in which case they are shared without a copy.
-inline Value decode(const twk_value_v1& v) {
-  std::vector<Tensor> tensors;
+// Decodes a value in its boundary form.
+inline Value decode(const EncodedValue& e) {
+  return decode(e.msgpack.data(), e.msgpack.size(), e.tensors);
+}
+
+// A value received across the ABI in its boundary form, not decoded: the msgpack bytes copied,
+// the tensor payloads copied too, unless the sender offers retain/release, in which case they are
+// shared without a copy.
+inline EncodedValue copy_encoded(const twk_value_v1& v) {
+  EncodedValue out;
+  out.msgpack.assign(reinterpret_cast<const char*>(v.msgpack), v.msgpack_size);
   std::shared_ptr<const void> keep;
   if (v.retain && v.release && v.owner) {
     v.retain(v.owner);
@@ -692,9 +699,12 @@ inline Value decode(const twk_value_v1& v) {
     Tensor view =
         Tensor::view(static_cast<DType>(t.dtype), shape, const_cast<void*>(t.data), t.nbytes,
                      keep ? keep : std::shared_ptr<const void>(t.data, [](const void*) {}));
-    tensors.push_back(keep ? view : view.clone());
+    out.tensors.push_back(keep ? view : view.clone());
   }
-  return decode(v.msgpack, v.msgpack_size, tensors);
+  return out;
 }
+
+// Decodes a value received across the ABI (copy_encoded, then decode).
+inline Value decode(const twk_value_v1& v) { return decode(copy_encoded(v)); }
 
 }  // namespace twinkle

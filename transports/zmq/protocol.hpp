@@ -1,0 +1,700 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <variant>
+#include <vector>
+
+#include "twinkle/errors.hpp"
+#include "twinkle/value.hpp"
+
+// The wire protocol: one struct per message, with its fields. These structs are its
+// documentation (docs/ARCHITECTURE.md, Wire protocol, lists them as `twinkle-protocol` prints
+// them). Encoding and decoding live in protocol.cpp and message.cpp; nothing else builds or
+// reads a message body.
+//
+// A struct's fields() lists its wire fields (a msgpack map, by name). A field of type
+// std::optional is left out when empty; every other field must be present with its type, or the
+// message is malformed. Field types: strings, bool, integers, double, Bytes, Tensor, Value (any
+// value, inline), EncodedValue (a user value carried as its own msgpack bytes, so that it passes
+// through without being decoded), vectors, maps of strings, and other structs of this file.
+namespace twinkle::transport {
+
+// Version of the wire protocol, checked at every message. Bump on any incompatible change.
+inline constexpr std::uint16_t kProtocolVersion = 5;
+
+enum class MsgType : std::uint16_t {
+  // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
+  hello = 1,
+  welcome = 2,
+  create = 3,
+  created = 4,
+  call = 5,
+  reply = 6,
+  shutdown = 7,
+  kv_set = 8,
+  kv_get = 9,
+  kv_value = 10,
+  comm_join = 11,
+  peer_lost = 12,
+  probe = 13,
+  // Cluster messages (remote mode): between the head and its agents, drivers and clients.
+  node_register = 20,
+  node_welcome = 21,
+  heartbeat = 22,
+  reregister = 23,
+  nodes_query = 24,
+  nodes_info = 25,
+  reserve = 26,
+  reservation = 27,
+  release = 28,
+  lease = 29,
+  launch = 30,
+  launched = 31,
+  need_plugin = 32,
+  plugin = 33,
+  stop_job = 34,
+  stopped = 35,
+  worker_exit = 36,
+  output = 37,
+  node_dead = 38,
+  kill_job = 39,
+  node_leave = 40,
+};
+
+// "call"; "unknown" for a value that is no message type.
+const char* to_string(MsgType t);
+
+// A message that does not decode: its frames, header, body or tensor table.
+class ProtocolError : public TransportError {
+ public:
+  using TransportError::TransportError;
+};
+
+namespace proto {
+
+template <class C, class T>
+struct Field {
+  const char* name;
+  T C::*member;
+};
+template <class C, class T>
+constexpr Field<C, T> field(const char* name, T C::*member) {
+  return {name, member};
+}
+
+// ----- control messages ---------------------------------------------------------------------
+
+// worker -> driver, first thing after connecting.
+struct Hello {
+  static constexpr MsgType kType = MsgType::hello;
+  std::string name;  // "model:3": the worker's identity on the channel
+  std::string group;
+  int rank = 0;
+  int pid = 0;
+  std::string host;
+  std::string serve;  // where it serves calls from other workers
+  static constexpr auto fields() {
+    return std::tuple{field("name", &Hello::name), field("group", &Hello::group),
+                      field("rank", &Hello::rank), field("pid", &Hello::pid),
+                      field("host", &Hello::host), field("serve", &Hello::serve)};
+  }
+};
+
+// A group in the run's address book (Welcome).
+struct GroupEntry {
+  std::string name;
+  Value mesh;                        // core::mesh_to_value
+  std::vector<std::uint64_t> peers;  // the run-wide index of each of its workers
+  static constexpr auto fields() {
+    return std::tuple{field("name", &GroupEntry::name), field("mesh", &GroupEntry::mesh),
+                      field("peers", &GroupEntry::peers)};
+  }
+};
+
+// A worker in the run's address book (Welcome).
+struct WorkerEntry {
+  std::string name;
+  std::uint64_t group = 0;
+  int index = 0;
+  int pid = 0;
+  std::string host;
+  std::string serve;
+  static constexpr auto fields() {
+    return std::tuple{field("name", &WorkerEntry::name),   field("group", &WorkerEntry::group),
+                      field("index", &WorkerEntry::index), field("pid", &WorkerEntry::pid),
+                      field("host", &WorkerEntry::host),   field("serve", &WorkerEntry::serve)};
+  }
+};
+
+// driver -> worker, once every worker said hello.
+struct Welcome {
+  static constexpr MsgType kType = MsgType::welcome;
+  std::string job;
+  std::vector<GroupEntry> groups;
+  std::vector<WorkerEntry> workers;
+  std::uint64_t self = 0;   // this worker's index in `workers`
+  Value args;               // the job's [args]
+  Value mesh;               // this worker's group's mesh
+  std::string device;       // "cpu" | "cuda"
+  std::string kv;           // the rendezvous store's endpoint
+  std::string collectives;  // "auto" | "shm" | "gloo"
+  double timeout_s = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &Welcome::job),
+                      field("groups", &Welcome::groups),
+                      field("workers", &Welcome::workers),
+                      field("self", &Welcome::self),
+                      field("args", &Welcome::args),
+                      field("mesh", &Welcome::mesh),
+                      field("device", &Welcome::device),
+                      field("kv", &Welcome::kv),
+                      field("collectives", &Welcome::collectives),
+                      field("timeout_s", &Welcome::timeout_s)};
+  }
+};
+
+// One step of the chain of calls that led to a call between groups, for the cycle checks.
+struct ChainLink {
+  std::string worker;       // "trainer:0", or "driver"
+  std::uint64_t token = 0;  // that worker's call number
+  std::string what;         // "Trainer.step"
+  std::string caller;       // its call site, "train.cpp:12"
+  static constexpr auto fields() {
+    return std::tuple{field("worker", &ChainLink::worker), field("token", &ChainLink::token),
+                      field("what", &ChainLink::what), field("caller", &ChainLink::caller)};
+  }
+};
+
+// caller -> worker, id = the instance: construct `cls` with `args`.
+struct Create {
+  static constexpr MsgType kType = MsgType::create;
+  std::string cls;
+  EncodedValue args;
+  std::vector<ChainLink> chain;  // empty from the driver
+  static constexpr auto fields() {
+    return std::tuple{field("class", &Create::cls), field("args", &Create::args),
+                      field("chain", &Create::chain)};
+  }
+};
+
+// worker -> caller, id = the instance.
+struct Created {
+  static constexpr MsgType kType = MsgType::created;
+  std::optional<std::string> error;  // none: constructed
+  static constexpr auto fields() { return std::tuple{field("error", &Created::error)}; }
+};
+
+// caller -> worker, id = the call.
+struct Call {
+  static constexpr MsgType kType = MsgType::call;
+  std::uint64_t instance = 0;
+  std::string method;
+  std::string caller;  // call site, "train.cpp:42"
+  EncodedValue args;   // this worker's share (dispatch)
+  std::vector<ChainLink> chain;
+  static constexpr auto fields() {
+    return std::tuple{field("instance", &Call::instance), field("method", &Call::method),
+                      field("caller", &Call::caller), field("args", &Call::args),
+                      field("chain", &Call::chain)};
+  }
+};
+
+// worker -> caller, id = the call.
+struct Reply {
+  static constexpr MsgType kType = MsgType::reply;
+  std::optional<std::string> error;  // none: `value` is the result
+  EncodedValue value;
+  static constexpr auto fields() {
+    return std::tuple{field("error", &Reply::error), field("value", &Reply::value)};
+  }
+};
+
+// driver -> worker: destroy the instances and exit.
+struct Shutdown {
+  static constexpr MsgType kType = MsgType::shutdown;
+  static constexpr auto fields() { return std::tuple{}; }
+};
+
+// client -> rendezvous store.
+struct KvSet {
+  static constexpr MsgType kType = MsgType::kv_set;
+  std::string key;
+  Bytes value;
+  static constexpr auto fields() {
+    return std::tuple{field("key", &KvSet::key), field("value", &KvSet::value)};
+  }
+};
+
+// client -> rendezvous store, id = the request: answered once `key` is set.
+struct KvGet {
+  static constexpr MsgType kType = MsgType::kv_get;
+  std::string key;
+  static constexpr auto fields() { return std::tuple{field("key", &KvGet::key)}; }
+};
+
+// rendezvous store -> client, id = the request.
+struct KvValue {
+  static constexpr MsgType kType = MsgType::kv_value;
+  Bytes value;
+  static constexpr auto fields() { return std::tuple{field("value", &KvValue::value)}; }
+};
+
+// driver -> worker: its place in a communicator across groups.
+struct CommJoin {
+  static constexpr MsgType kType = MsgType::comm_join;
+  std::string name;
+  int rank = 0;
+  std::vector<std::string> members;  // "group:index" by rank
+  double timeout_s = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("name", &CommJoin::name), field("rank", &CommJoin::rank),
+                      field("members", &CommJoin::members),
+                      field("timeout_s", &CommJoin::timeout_s)};
+  }
+};
+
+// driver -> worker: a worker of the run is gone.
+struct PeerLost {
+  static constexpr MsgType kType = MsgType::peer_lost;
+  std::uint64_t peer = 0;
+  std::string text;
+  static constexpr auto fields() {
+    return std::tuple{field("peer", &PeerLost::peer), field("text", &PeerLost::text)};
+  }
+};
+
+// worker -> worker: who waits on whom (cycles of calls through several workers).
+struct Probe {
+  static constexpr MsgType kType = MsgType::probe;
+  std::string origin;
+  std::uint64_t token = 0;
+  std::vector<std::string> nodes;  // the workers it passed, origin first
+  std::vector<std::string> path;   // what each of them runs
+  static constexpr auto fields() {
+    return std::tuple{field("origin", &Probe::origin), field("token", &Probe::token),
+                      field("nodes", &Probe::nodes), field("path", &Probe::path)};
+  }
+};
+
+using Control = std::variant<Hello, Welcome, Create, Created, Call, Reply, Shutdown, KvSet, KvGet,
+                             KvValue, CommJoin, PeerLost, Probe>;
+
+// ----- cluster messages ---------------------------------------------------------------------
+// The head forwards launch, plugin and stop_job to the agent of their `node`, and launched,
+// need_plugin, stopped, worker_exit and output to the driver of their `run`.
+
+struct GpuEntry {
+  int index = 0;
+  std::string name;
+  std::int64_t memory = 0;  // bytes
+  std::string uuid;
+  std::string run;  // nodes_info: the run that holds it ("" free)
+  static constexpr auto fields() {
+    return std::tuple{field("index", &GpuEntry::index), field("name", &GpuEntry::name),
+                      field("memory", &GpuEntry::memory), field("uuid", &GpuEntry::uuid),
+                      field("run", &GpuEntry::run)};
+  }
+};
+
+// A run's part on a node, as the agent reports it when it registers.
+struct NodeJob {
+  std::string run, job, owner;
+  std::int64_t since = 0;  // unix seconds
+  std::vector<int> gpus;
+  int cpus = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &NodeJob::run),     field("job", &NodeJob::job),
+                      field("owner", &NodeJob::owner), field("since", &NodeJob::since),
+                      field("gpus", &NodeJob::gpus),   field("cpus", &NodeJob::cpus)};
+  }
+};
+
+// agent -> head.
+struct NodeRegister {
+  static constexpr MsgType kType = MsgType::node_register;
+  std::string node, host, address;
+  int cpus = 0;
+  std::int64_t memory = 0;
+  std::vector<GpuEntry> gpus;
+  std::map<std::string, std::string> labels;
+  std::vector<NodeJob> jobs;  // what it still runs (a restarted head adopts them)
+  static constexpr auto fields() {
+    return std::tuple{field("node", &NodeRegister::node),       field("host", &NodeRegister::host),
+                      field("address", &NodeRegister::address), field("cpus", &NodeRegister::cpus),
+                      field("memory", &NodeRegister::memory),   field("gpus", &NodeRegister::gpus),
+                      field("labels", &NodeRegister::labels),   field("jobs", &NodeRegister::jobs)};
+  }
+};
+
+// head -> agent.
+struct NodeWelcome {
+  static constexpr MsgType kType = MsgType::node_welcome;
+  std::optional<std::string> error;  // none: registered
+  static constexpr auto fields() { return std::tuple{field("error", &NodeWelcome::error)}; }
+};
+
+// agent -> head, every heartbeat interval.
+struct Heartbeat {
+  static constexpr MsgType kType = MsgType::heartbeat;
+  std::string node;
+  static constexpr auto fields() { return std::tuple{field("node", &Heartbeat::node)}; }
+};
+
+// head -> agent: the head does not know this agent (it restarted).
+struct Reregister {
+  static constexpr MsgType kType = MsgType::reregister;
+  static constexpr auto fields() { return std::tuple{}; }
+};
+
+// client -> head.
+struct NodesQuery {
+  static constexpr MsgType kType = MsgType::nodes_query;
+  static constexpr auto fields() { return std::tuple{}; }
+};
+
+struct NodeEntry {
+  std::string id, host, address;
+  std::string state;  // "ALIVE" | "DEAD"
+  int cpus = 0;
+  int cpus_free = 0;
+  std::int64_t memory = 0;
+  std::vector<GpuEntry> gpus;
+  std::map<std::string, std::string> labels;
+  double heartbeat_age_s = 0;
+  std::int64_t registered = 0;  // unix seconds
+  static constexpr auto fields() {
+    return std::tuple{field("id", &NodeEntry::id),
+                      field("host", &NodeEntry::host),
+                      field("address", &NodeEntry::address),
+                      field("state", &NodeEntry::state),
+                      field("cpus", &NodeEntry::cpus),
+                      field("cpus_free", &NodeEntry::cpus_free),
+                      field("memory", &NodeEntry::memory),
+                      field("gpus", &NodeEntry::gpus),
+                      field("labels", &NodeEntry::labels),
+                      field("heartbeat_age_s", &NodeEntry::heartbeat_age_s),
+                      field("registered", &NodeEntry::registered)};
+  }
+};
+
+struct BundleEntry {
+  std::string node;
+  std::vector<int> gpus;
+  int cpus = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &BundleEntry::node), field("gpus", &BundleEntry::gpus),
+                      field("cpus", &BundleEntry::cpus)};
+  }
+};
+
+struct ReservationEntry {
+  std::string run, job, owner;
+  std::int64_t since = 0;
+  std::vector<BundleEntry> bundles;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &ReservationEntry::run), field("job", &ReservationEntry::job),
+                      field("owner", &ReservationEntry::owner),
+                      field("since", &ReservationEntry::since),
+                      field("bundles", &ReservationEntry::bundles)};
+  }
+};
+
+// head -> client, id = the query's.
+struct NodesInfo {
+  static constexpr MsgType kType = MsgType::nodes_info;
+  std::string head;  // the head's endpoint
+  std::vector<NodeEntry> nodes;
+  std::vector<ReservationEntry> reservations;
+  static constexpr auto fields() {
+    return std::tuple{field("head", &NodesInfo::head), field("nodes", &NodesInfo::nodes),
+                      field("reservations", &NodesInfo::reservations)};
+  }
+};
+
+// What one group of a job asks the head for.
+struct GroupDemandEntry {
+  std::string name;
+  int workers = 0;
+  int gpus_per_worker = 0;
+  std::string strategy;  // "pack" | "spread" | "strict_pack" | "strict_spread"
+  std::map<std::string, std::string> labels;
+  static constexpr auto fields() {
+    return std::tuple{
+        field("name", &GroupDemandEntry::name), field("workers", &GroupDemandEntry::workers),
+        field("gpus_per_worker", &GroupDemandEntry::gpus_per_worker),
+        field("strategy", &GroupDemandEntry::strategy), field("labels", &GroupDemandEntry::labels)};
+  }
+};
+
+// driver -> head, id = the request.
+struct Reserve {
+  static constexpr MsgType kType = MsgType::reserve;
+  std::string run, job, owner;
+  bool dry_run = false;  // only plan (twinkle topology)
+  std::vector<GroupDemandEntry> groups;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Reserve::run), field("job", &Reserve::job),
+                      field("owner", &Reserve::owner), field("dry_run", &Reserve::dry_run),
+                      field("groups", &Reserve::groups)};
+  }
+};
+
+struct SlotEntry {
+  std::string node;
+  std::vector<int> gpus;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &SlotEntry::node), field("gpus", &SlotEntry::gpus)};
+  }
+};
+
+struct NodeAddress {
+  std::string node, host, address;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &NodeAddress::node), field("host", &NodeAddress::host),
+                      field("address", &NodeAddress::address)};
+  }
+};
+
+// head -> driver, id = the request.
+struct Reservation {
+  static constexpr MsgType kType = MsgType::reservation;
+  bool ok = false;
+  std::string kind;                            // not ok: "infeasible" | "busy"
+  std::string message;                         // not ok: why
+  std::string holders;                         // busy: who holds the devices
+  std::vector<std::vector<SlotEntry>> groups;  // ok: per group, per worker
+  std::vector<NodeAddress> nodes;              // ok: the nodes of the slots
+  static constexpr auto fields() {
+    return std::tuple{
+        field("ok", &Reservation::ok),           field("kind", &Reservation::kind),
+        field("message", &Reservation::message), field("holders", &Reservation::holders),
+        field("groups", &Reservation::groups),   field("nodes", &Reservation::nodes)};
+  }
+};
+
+// driver -> head: the run ended.
+struct Release {
+  static constexpr MsgType kType = MsgType::release;
+  std::string run;
+  static constexpr auto fields() { return std::tuple{field("run", &Release::run)}; }
+};
+
+// driver -> head, every heartbeat interval: the run's driver is alive.
+struct Lease {
+  static constexpr MsgType kType = MsgType::lease;
+  std::string run;
+  static constexpr auto fields() { return std::tuple{field("run", &Lease::run)}; }
+};
+
+struct LaunchWorker {
+  std::string name;
+  std::vector<std::string> env;  // "KEY=VALUE"
+  static constexpr auto fields() {
+    return std::tuple{field("name", &LaunchWorker::name), field("env", &LaunchWorker::env)};
+  }
+};
+
+// The run's worker key pair and the driver's public key (CURVE).
+struct RunKeys {
+  std::string public_key, secret_key, server_key;
+  static constexpr auto fields() {
+    return std::tuple{field("public", &RunKeys::public_key), field("secret", &RunKeys::secret_key),
+                      field("server", &RunKeys::server_key)};
+  }
+};
+
+// driver -> agent (through the head).
+struct Launch {
+  static constexpr MsgType kType = MsgType::launch;
+  std::string run, node, job, owner;
+  std::string sha256;    // the plugin's
+  std::string endpoint;  // the driver's socket
+  std::vector<int> gpus;
+  int cpus = 0;
+  std::vector<LaunchWorker> workers;
+  std::optional<RunKeys> keys;  // when the cluster uses keys
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Launch::run),         field("node", &Launch::node),
+                      field("job", &Launch::job),         field("owner", &Launch::owner),
+                      field("sha256", &Launch::sha256),   field("endpoint", &Launch::endpoint),
+                      field("gpus", &Launch::gpus),       field("cpus", &Launch::cpus),
+                      field("workers", &Launch::workers), field("keys", &Launch::keys)};
+  }
+};
+
+// agent -> driver.
+struct Launched {
+  static constexpr MsgType kType = MsgType::launched;
+  std::string run, node;
+  std::optional<std::string> error;  // none: started
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Launched::run), field("node", &Launched::node),
+                      field("error", &Launched::error)};
+  }
+};
+
+// agent -> driver: send the plugin with this sha256.
+struct NeedPlugin {
+  static constexpr MsgType kType = MsgType::need_plugin;
+  std::string run, node, sha256;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &NeedPlugin::run), field("node", &NeedPlugin::node),
+                      field("sha256", &NeedPlugin::sha256)};
+  }
+};
+
+// driver -> agent.
+struct PluginBytes {
+  static constexpr MsgType kType = MsgType::plugin;
+  std::string run, node, sha256;
+  Tensor bytes;  // u8
+  static constexpr auto fields() {
+    return std::tuple{field("run", &PluginBytes::run), field("node", &PluginBytes::node),
+                      field("sha256", &PluginBytes::sha256), field("bytes", &PluginBytes::bytes)};
+  }
+};
+
+// driver -> agent.
+struct StopJob {
+  static constexpr MsgType kType = MsgType::stop_job;
+  std::string run, node;
+  std::int64_t grace_ms = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &StopJob::run), field("node", &StopJob::node),
+                      field("grace_ms", &StopJob::grace_ms)};
+  }
+};
+
+// agent -> driver: the run's workers on the node are stopped.
+struct Stopped {
+  static constexpr MsgType kType = MsgType::stopped;
+  std::string run, node;
+  std::vector<std::string> signalled;  // those that had to be killed
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Stopped::run), field("node", &Stopped::node),
+                      field("signalled", &Stopped::signalled)};
+  }
+};
+
+// agent -> driver.
+struct WorkerExit {
+  static constexpr MsgType kType = MsgType::worker_exit;
+  std::string run, node, name;
+  int pid = 0;
+  int exit_code = 0;
+  int signal = 0;
+  std::string text;                      // "exited with code 3"
+  std::vector<std::string> stderr_tail;  // its last stderr lines
+  static constexpr auto fields() {
+    return std::tuple{field("run", &WorkerExit::run),
+                      field("node", &WorkerExit::node),
+                      field("name", &WorkerExit::name),
+                      field("pid", &WorkerExit::pid),
+                      field("exit_code", &WorkerExit::exit_code),
+                      field("signal", &WorkerExit::signal),
+                      field("text", &WorkerExit::text),
+                      field("stderr", &WorkerExit::stderr_tail)};
+  }
+};
+
+// agent -> driver: a line a worker wrote.
+struct Output {
+  static constexpr MsgType kType = MsgType::output;
+  std::string run, name;
+  bool is_stderr = false;
+  std::string line;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Output::run), field("name", &Output::name),
+                      field("stderr", &Output::is_stderr), field("line", &Output::line)};
+  }
+};
+
+// head -> driver: a node of its run is gone.
+struct NodeDead {
+  static constexpr MsgType kType = MsgType::node_dead;
+  std::string node, host, address, reason;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &NodeDead::node), field("host", &NodeDead::host),
+                      field("address", &NodeDead::address), field("reason", &NodeDead::reason)};
+  }
+};
+
+// head -> agent: the run's driver is gone (its lease expired) or the run was released.
+struct KillJob {
+  static constexpr MsgType kType = MsgType::kill_job;
+  std::string run;
+  static constexpr auto fields() { return std::tuple{field("run", &KillJob::run)}; }
+};
+
+// agent -> head: it is stopping.
+struct NodeLeave {
+  static constexpr MsgType kType = MsgType::node_leave;
+  std::string node, reason;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &NodeLeave::node), field("reason", &NodeLeave::reason)};
+  }
+};
+
+using Cluster =
+    std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery, NodesInfo, Reserve,
+                 Reservation, Release, Lease, Launch, Launched, NeedPlugin, PluginBytes, StopJob,
+                 Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave>;
+
+// A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
+// not decode): for `twinkle nodes --json`, for logs and for tests.
+Value to_value(const NodesInfo& info);
+Value to_value(const Control& body);
+
+// Every message type with its fields, one line each: "call: instance u64, method str, ...".
+// What docs/ARCHITECTURE.md lists (a test keeps the two the same).
+std::vector<std::string> describe_messages();
+
+}  // namespace proto
+
+// A decoded message: its id (the call, instance or request it belongs to; 0 for none) and body.
+template <class Body>
+struct Envelope {
+  std::uint64_t id = 0;
+  Body body;
+  MsgType type() const {
+    return std::visit([](const auto& b) { return std::decay_t<decltype(b)>::kType; }, body);
+  }
+  template <class T>
+  T* get() {
+    return std::get_if<T>(&body);
+  }
+  template <class T>
+  const T* get() const {
+    return std::get_if<T>(&body);
+  }
+};
+using Message = Envelope<proto::Control>;
+using ClusterMessage = Envelope<proto::Cluster>;
+
+// The one policy for messages that do not decode, come from strangers or do not fit where they
+// arrive: dropped and counted, never fatal, never an "internal error"; logged at most once a
+// second (with the count of those not logged). Thread-compatible: one per receiving loop.
+class DropLog {
+ public:
+  using Sink = std::function<void(const std::string& line)>;
+  // `where` names the receiver in each line ("the control socket"); `sink` gets the lines
+  // (default: stderr with a "twinkle: " prefix).
+  explicit DropLog(std::string where, Sink sink = {});
+  void drop(const std::string& why);
+  std::uint64_t count() const { return count_; }
+
+ private:
+  std::string where_;
+  Sink sink_;
+  std::uint64_t count_ = 0;
+  std::uint64_t unlogged_ = 0;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace twinkle::transport
