@@ -467,6 +467,22 @@ PY
     rmdir "$long"
     expect_clean
     ;;
+  log_dir_full)
+    # A --log-dir whose file system fills up during the run (/dev/full fails every write with
+    # ENOSPC): the driver warns once, naming the file and the error, and the run succeeds.
+    write_job "" ""
+    mkdir -p "$TMP/logs"
+    ln -s /dev/full "$TMP/logs/a-0.log"
+    ln -s /dev/full "$TMP/logs/b-1.log"
+    run 0 "$TWK" run --set job.driver=env --log-dir "$TMP/logs" "$TMP/job.toml"
+    expect_err "twinkle: warning: --log-dir $TMP/logs: cannot write "
+    expect_err ".log (No space left on device); the run goes on"
+    [ "$(grep -c -- "--log-dir $TMP/logs: cannot write" "$TMP/err")" -eq 1 ] ||
+      { cat "$TMP/err"; fail "two full log files, but not exactly one warning"; }
+    expect_out "[a:0] env asked"
+    grep -q "env asked" "$TMP/logs/a-3.log" || fail "the other workers' logs stopped"
+    expect_clean
+    ;;
   *) fail "unknown case $4" ;;
 esac
 echo "ok: $4"
