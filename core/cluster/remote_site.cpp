@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -19,6 +20,7 @@
 #include "core/cluster/agent.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/job/values.hpp"
+#include "core/runtime/log_dir.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core::cluster {
@@ -202,7 +204,12 @@ class ClusterLauncher : public Launcher {
     }
     for (const auto& n : placement.nodes) nodes_.push_back(n.id);
     sha_ = file_sha256(launch_.plugin);
-    if (launch_.log_dir) std::filesystem::create_directories(*launch_.log_dir);
+    if (launch_.log_dir) {
+      // Every worker's file from the start, as in local mode: an unwritable one stops the run
+      // before a worker starts.
+      logs_.emplace(*launch_.log_dir);
+      for (const auto& name : names_) log_files_.push_back(logs_->open(name));
+    }
     site_.attach(this);
   }
 
@@ -322,16 +329,8 @@ class ClusterLauncher : public Launcher {
     const std::string& name = b.name;
     const std::string& line = b.line;
     const bool err = b.is_stderr;
-    if (launch_.log_dir) {
-      auto& f = logs_[name];
-      if (!f) {
-        std::string file = name;
-        std::replace(file.begin(), file.end(), ':', '-');
-        f = std::make_unique<std::ofstream>(*launch_.log_dir / (file + ".log"), std::ios::app);
-      }
-      *f << line << '\n';
-      f->flush();
-    }
+    if (const std::size_t peer = peer_of(name); logs_ && peer < log_files_.size())
+      logs_->append(log_files_[peer], name, line);
     if (launch_.quiet) return;
     std::FILE* out = err ? stderr : stdout;
     std::fprintf(out, "[%s] %s\n", name.c_str(), line.c_str());
@@ -387,7 +386,8 @@ class ClusterLauncher : public Launcher {
   std::map<std::string, std::vector<int>> gpus_;  // node -> the run's GPUs there
   std::string sha_;
   std::optional<Tensor> plugin_bytes_;
-  std::map<std::string, std::unique_ptr<std::ofstream>> logs_;
+  std::optional<LogDir> logs_;
+  std::vector<transport::Fd> log_files_;  // by peer
   std::atomic<bool> expecting_{false};
   std::atomic<bool> failed_{false};
   std::mutex mu_;

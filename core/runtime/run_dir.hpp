@@ -5,10 +5,11 @@
 
 namespace twinkle::core {
 
-// A run's private folder (mode 0700) for its sockets: $TMPDIR/twinkle-run.ID.XXXXXX, or /tmp when
-// TMPDIR is so long that a socket path inside would not fit a Unix socket address. It holds a file
-// naming the driver (pid and start time), so that a later run can tell a folder whose driver is
-// gone (killed before it could clean up) and remove it. Removed by the destructor.
+// A run's private folder (mode 0700) for its sockets: $TMPDIR/twinkle-run.ID.PID.START.XXXXXX, or
+// /tmp when TMPDIR is so long that a socket path inside would not fit a Unix socket address. Its
+// name says which driver made it (pid and start time), from the moment it exists, so that a later
+// run can tell a folder whose driver is gone (killed before it could clean up, however early) and
+// remove it. Removed by the destructor.
 class RunDir {
  public:
   // Throws twinkle::Error naming the folder when it cannot be created.
@@ -22,6 +23,7 @@ class RunDir {
   std::filesystem::path socket(const std::string& name) const { return path_ / name; }
 
   // Removes the run folders in `parent` whose driver is no longer running; returns how many.
+  // Folders whose name names no driver are not a run's and stay.
   static int remove_stale(const std::filesystem::path& parent);
 
  private:

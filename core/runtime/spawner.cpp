@@ -87,15 +87,7 @@ struct SpawnAttr {
 
 Spawner::Spawner(SpawnerOptions options, ExitHandler on_exit)
     : options_(std::move(options)), on_exit_(std::move(on_exit)) {
-  if (options_.log_dir) {
-    std::error_code ec;
-    std::filesystem::create_directories(*options_.log_dir, ec);
-    if (ec || ::access(options_.log_dir->c_str(), W_OK) != 0) {
-      throw ConfigError(
-          fmt::format("--log-dir {}: cannot write there ({}); choose a writable folder",
-                      options_.log_dir->string(), ec ? ec.message() : std::strerror(errno)));
-    }
-  }
+  if (options_.log_dir) logs_.emplace(*options_.log_dir);
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_) throw Error(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
 }
@@ -110,16 +102,7 @@ void Spawner::wake() const noexcept {
 pid_t Spawner::spawn(ProcessSpec spec) {
   auto proc = std::make_unique<Proc>();
   proc->name = spec.name;
-  if (options_.log_dir) {
-    std::string file = spec.name;
-    std::replace(file.begin(), file.end(), ':', '-');
-    const auto path = *options_.log_dir / (file + ".log");
-    proc->log.reset(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666));
-    if (!proc->log) {
-      throw ConfigError(fmt::format("--log-dir: cannot write {} ({}); choose a writable folder",
-                                    path.string(), std::strerror(errno)));
-    }
-  }
+  if (logs_) proc->log = logs_->open(spec.name);
   FdPair out = FdPair::pipe(spec.name.c_str());
   FdPair err = FdPair::pipe(spec.name.c_str());
 
@@ -181,7 +164,7 @@ void Spawner::write_line(Proc& p, bool is_stderr, const std::string& line) {
     p.tail.push_back(line);
     if (p.tail.size() > options_.stderr_tail) p.tail.pop_front();
   }
-  if (p.log) write_all(p.log.get(), line + '\n');
+  if (p.log) logs_->append(p.log, p.name, line);
   if (options_.on_line) {
     options_.on_line(p.name, is_stderr, line);
     return;

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/runtime/log_dir.hpp"
 #include "transports/fd.hpp"
 
 namespace twinkle::core {
@@ -48,7 +49,7 @@ struct ProcessExit {
 };
 
 struct SpawnerOptions {
-  std::optional<std::filesystem::path> log_dir;  // one <name>.log per process, both streams
+  std::optional<std::filesystem::path> log_dir;  // one <name>.log per process (LogDir)
   bool quiet = false;                            // keep process output off the terminal
   std::size_t stderr_tail = 20;                  // lines of stderr kept for ProcessExit
   // Where output lines go instead of the terminal (a node agent relays them to the driver).
@@ -68,7 +69,8 @@ class Spawner {
  public:
   using ExitHandler = std::function<void(const ProcessExit&)>;
 
-  // Throws ConfigError when the log directory cannot be created or written.
+  // Throws ConfigError when the log directory cannot be created or written. A log write that
+  // fails later is a warning, once (LogDir).
   Spawner(SpawnerOptions options, ExitHandler on_exit);
   Spawner(const Spawner&) = delete;
   Spawner& operator=(const Spawner&) = delete;
@@ -104,6 +106,7 @@ class Spawner {
 
   SpawnerOptions options_;
   ExitHandler on_exit_;
+  std::optional<LogDir> logs_;
   std::vector<std::unique_ptr<Proc>> procs_;
   std::atomic<pid_t> pgid_{0};
   Fd wake_;  // eventfd: a new process or stop() wakes the monitor

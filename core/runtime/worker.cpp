@@ -45,9 +45,8 @@ constexpr auto kProbeInterval = std::chrono::milliseconds(300);
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
-// the control socket, the rendezvous socket, the owner file, this worker's serve socket and its
-// descriptor socket
-char g_run_files[5][kPathMax];
+// the control socket, the rendezvous socket, this worker's serve socket and its descriptor socket
+char g_run_files[4][kPathMax];
 char g_run_dir[kPathMax];
 // The other local workers' serve sockets (set once at the welcome, never freed): the first
 // worker to notice the driver's death kills the rest before they could remove their own.
@@ -313,8 +312,8 @@ class Worker : public HostOps {
       return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
-    std::snprintf(g_run_files[3], sizeof g_run_files[3], "%s", path.c_str());
-    std::snprintf(g_run_files[4], sizeof g_run_files[4], "%s.fd", path.c_str());
+    std::snprintf(g_run_files[2], sizeof g_run_files[2], "%s", path.c_str());
+    std::snprintf(g_run_files[3], sizeof g_run_files[3], "%s.fd", path.c_str());
     return "ipc://" + path;
   }
 
@@ -808,9 +807,8 @@ class Worker : public HostOps {
 
 bool run_worker(const WorkerOptions& o) {
   if (!o.run_dir.empty()) {
-    const std::string files[3] = {(o.run_dir / "ctl").string(), (o.run_dir / "kv").string(),
-                                  (o.run_dir / "driver").string()};
-    for (int i = 0; i < 3; ++i)
+    const std::string files[2] = {(o.run_dir / "ctl").string(), (o.run_dir / "kv").string()};
+    for (int i = 0; i < 2; ++i)
       std::snprintf(g_run_files[i], sizeof g_run_files[i], "%s", files[i].c_str());
     std::snprintf(g_run_dir, sizeof g_run_dir, "%s", o.run_dir.c_str());
   }

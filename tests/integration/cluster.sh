@@ -133,6 +133,14 @@ case "$CASE" in
     remote_job cross "$PLUGIN" "$two_groups"
     run 0 "$TWK" run --set job.driver=cross_group "$TMP/cross.toml" --address "$ADDR"
     expect_out "b:1 rank 2 of 3: 64 MiB bit-exact"
+    # Remote workers' lines in a --log-dir that fills up (/dev/full fails every write): one
+    # warning from the driver, and the run goes on.
+    mkdir -p "$TMP/logs"
+    ln -s /dev/full "$TMP/logs/a-0.log"
+    run 0 "$TWK" run --set job.driver=env --log-dir "$TMP/logs" "$TMP/cross.toml" --address "$ADDR"
+    warning="--log-dir $TMP/logs: cannot write a-0.log (No space left on device); the run goes on"
+    [ "$(grep -cF -- "$warning" "$TMP/err")" -eq 1 ] || { cat "$TMP/err"; fail "not one warning"; }
+    grep -q "env asked" "$TMP/logs/a-3.log" || fail "remote mode: no a-3.log with the worker's line"
     # The plugins reached the agents by sha256, and nothing is left behind.
     ls "$TMP"/cache-n*/*.so >/dev/null || fail "no plugin in the agents' caches"
     [ "$(reservations)" = 0 ] || fail "a reservation was not released"

@@ -447,15 +447,15 @@ PY
     write_job "" ""
     run 2 "$TWK" run --set job.driver=throws --log-dir /proc/twinkle-logs "$TMP/job.toml"
     expect_err "--log-dir /proc/twinkle-logs: cannot write there"
-    # A run folder whose driver is gone (killed before it could clean up) is removed by the
-    # next run; a folder that is not a run's is left alone.
+    # A run folder whose driver is gone (killed before it could clean up, even before it put
+    # anything in) is removed by the next run; a folder whose name names no driver is left alone.
     dead=99999
     while kill -0 $dead 2>/dev/null; do dead=$((dead + 1)); done
-    mkdir -p "$TMPDIR/twinkle-run.0badc0de.AbCdEf" "$TMPDIR/twinkle-run.notours"
-    echo "$dead 12345" >"$TMPDIR/twinkle-run.0badc0de.AbCdEf/driver"
+    stale="$TMPDIR/twinkle-run.0badc0de.$dead.12345.AbCdEf"
+    mkdir -p "$stale" "$TMPDIR/twinkle-run.notours"
     run 0 "$TWK" run --quiet --set job.driver=modes "$TMP/job.toml"
-    [ -e "$TMPDIR/twinkle-run.0badc0de.AbCdEf" ] && fail "the stale run folder was not removed"
-    [ -d "$TMPDIR/twinkle-run.notours" ] || fail "a folder without an owner file was removed"
+    [ -e "$stale" ] && fail "the stale run folder was not removed"
+    [ -d "$TMPDIR/twinkle-run.notours" ] || fail "a folder whose name names no driver was removed"
     rmdir "$TMPDIR/twinkle-run.notours"
     # A TMPDIR too long for a Unix socket path: the run uses /tmp and still works.
     long="$TMPDIR/$(printf 'd%.0s' $(seq 1 100))"
@@ -465,6 +465,22 @@ PY
     grep -q "File name too long\|internal error" "$TMP/err" && fail "a long TMPDIR broke the run"
     [ "$(ls -d /tmp/twinkle-run.* 2>/dev/null | wc -l)" -eq "$before" ] || fail "a run folder was left in /tmp"
     rmdir "$long"
+    expect_clean
+    ;;
+  log_dir_full)
+    # A --log-dir whose file system fills up during the run (/dev/full fails every write with
+    # ENOSPC): the driver warns once, naming the file and the error, and the run succeeds.
+    write_job "" ""
+    mkdir -p "$TMP/logs"
+    ln -s /dev/full "$TMP/logs/a-0.log"
+    ln -s /dev/full "$TMP/logs/b-1.log"
+    run 0 "$TWK" run --set job.driver=env --log-dir "$TMP/logs" "$TMP/job.toml"
+    expect_err "twinkle: warning: --log-dir $TMP/logs: cannot write "
+    expect_err ".log (No space left on device); the run goes on"
+    [ "$(grep -c -- "--log-dir $TMP/logs: cannot write" "$TMP/err")" -eq 1 ] ||
+      { cat "$TMP/err"; fail "two full log files, but not exactly one warning"; }
+    expect_out "[a:0] env asked"
+    grep -q "env asked" "$TMP/logs/a-3.log" || fail "the other workers' logs stopped"
     expect_clean
     ;;
   *) fail "unknown case $4" ;;

@@ -42,7 +42,7 @@ slurm_require() {
   local tool
   for tool in munged slurmctld slurmd sinfo squeue scontrol srun salloc sbatch scancel; do
     command -v "$tool" >/dev/null ||
-      { echo "SKIP: no $tool (install slurm-wlm and munge: .ci/install-deps)"; exit 77; }
+      { echo "SKIP: no $tool (install slurm-wlm and munge: .ci/install-deps --tests)"; exit 77; }
   done
 }
 

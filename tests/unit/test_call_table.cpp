@@ -335,6 +335,19 @@ TEST_CASE("call: what each worker receives", "[call_table]") {
     CHECK(args_of(0) == Value::list({ints({1, 2, 3, 4})}));
     for (std::size_t p = 1; p < 4; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
   }
+  SECTION("execute first: an empty list or a tensor of no rows is not a batch too small") {
+    // Dispatch slice is not applied under execute first (twinkle-plugin(7), execute first), so
+    // its minimum batch size is not either: worker 0 gets the arguments as they were passed.
+    const Value no_rows(Tensor(DType::f32, {0, 3}));
+    call_on(t.table, inst, "first", Value::list({Value::list(), no_rows}), "x.cpp:7");
+    CHECK(args_of(0) == Value::list({Value::list(), no_rows}));
+    for (std::size_t p = 1; p < 4; ++p) CHECK(t.channel.count(p, MsgType::call) == 0);
+    // The same arguments sliced across the four workers are still an error.
+    CHECK_THROWS_WITH(
+        call_on(t.table, inst, "slice", Value::list({Value::list()}), "x.cpp:7"),
+        "C.slice: argument 0 has 0 items but dispatch slice splits it into 4 slices (one per "
+        "worker); pass at least 4");
+  }
 }
 
 TEST_CASE("wait: the results are collected as the method says", "[call_table]") {

@@ -45,7 +45,7 @@ struct ScopedEnv {
 };
 
 // The pid of a process that ran and was reaped: no process has it now (until the kernel reuses
-// it, which the start time in the owner file tells apart anyway).
+// it, which the start time in the folder's name tells apart anyway).
 pid_t dead_pid() {
   pid_t pid = 0;
   char arg0[] = "/bin/true";
@@ -56,9 +56,13 @@ pid_t dead_pid() {
   return pid;
 }
 
-void make_run_folder(const fs::path& dir, const std::string& owner) {
-  fs::create_directory(dir);
-  if (!owner.empty()) std::ofstream(dir / "driver") << owner << '\n';
+// "PID.START" of a run folder made by this process, read from its name
+// (twinkle-run.ID.PID.START.XXXXXX).
+std::string owner_part(const RunDir& dir, const std::string& run_id) {
+  const std::string name = dir.path().filename().string();
+  const std::string head = "twinkle-run." + run_id + ".";
+  REQUIRE(name.starts_with(head));
+  return name.substr(head.size(), name.size() - head.size() - std::string(".XXXXXX").size());
 }
 
 LostWorker lost_model_2() {
@@ -136,11 +140,9 @@ TEST_CASE("run folder: private, under TMPDIR, removed with its owner", "[runtime
     CHECK(fs::status(path).permissions() == fs::perms::owner_all);
     CHECK(dir.socket("ctl") == path / "ctl");
     CHECK(dir.socket("ctl").string().size() <= 107);
-    // The owner file names this process.
-    std::ifstream owner(path / "driver");
-    pid_t pid = 0;
-    REQUIRE(owner >> pid);
-    CHECK(pid == ::getpid());
+    // The name names this process, and the folder holds nothing until the run puts its sockets.
+    CHECK(owner_part(dir, "abcd1234").starts_with(std::to_string(::getpid()) + "."));
+    CHECK(fs::is_empty(path));
   }
   CHECK_FALSE(fs::exists(path));
 }
@@ -160,20 +162,33 @@ TEST_CASE("run folder: remove_stale removes folders of dead drivers only", "[run
   TempDir tmp;
   ScopedEnv env("TMPDIR", tmp.path.string());
   RunDir live("live");  // our pid and our real start time
-  const fs::path dead = tmp.path / "twinkle-run.dead.aaaaaa";
-  const fs::path reused = tmp.path / "twinkle-run.reused.bbbbbb";
-  const fs::path unowned = tmp.path / "twinkle-run.making.cccccc";
-  const fs::path other = tmp.path / "not-twinkle";
-  make_run_folder(dead, std::to_string(dead_pid()) + " 12345");
+  const std::string us = owner_part(live, "live");
+  // What a driver SIGKILLed right after mkdtemp leaves: the folder, empty.
+  const fs::path half_made =
+      tmp.path / ("twinkle-run.early." + std::to_string(dead_pid()) + ".12345.aaaaaa");
+  // A dead driver's folder with its sockets in.
+  const fs::path dead =
+      tmp.path / ("twinkle-run.dead." + std::to_string(dead_pid()) + ".12345.bbbbbb");
   // A live pid (ours) with another start time: a driver that died and whose pid was reused.
-  make_run_folder(reused, std::to_string(::getpid()) + " 1");
-  make_run_folder(unowned, "");  // still being made, or not ours: kept
-  make_run_folder(other, std::to_string(dead_pid()) + " 1");
+  const fs::path reused =
+      tmp.path / ("twinkle-run.reused." + std::to_string(::getpid()) + ".1.cccccc");
+  // A live driver's folder that it has just made (empty): kept, like its full one.
+  const fs::path starting = tmp.path / ("twinkle-run.starting." + us + ".dddddd");
+  // Names that name no driver: not a run's folder (or one from before names carried the owner).
+  const fs::path unowned = tmp.path / "twinkle-run.0badc0de.eeeeee";
+  const fs::path not_numbers = tmp.path / "twinkle-run.x.12a.34.ffffff";
+  const fs::path other = tmp.path / ("not-twinkle." + std::to_string(dead_pid()) + ".1.gggggg");
+  for (const auto& dir : {half_made, dead, reused, starting, unowned, not_numbers, other})
+    fs::create_directory(dir);
+  std::ofstream(dead / "ctl") << "a socket\n";
 
-  CHECK(RunDir::remove_stale(tmp.path) == 2);
+  CHECK(RunDir::remove_stale(tmp.path) == 3);
+  CHECK_FALSE(fs::exists(half_made));
   CHECK_FALSE(fs::exists(dead));
   CHECK_FALSE(fs::exists(reused));
+  CHECK(fs::exists(starting));
   CHECK(fs::exists(unowned));
+  CHECK(fs::exists(not_numbers));
   CHECK(fs::exists(other));
   CHECK(fs::exists(live.path()));
   CHECK(RunDir::remove_stale(tmp.path) == 0);

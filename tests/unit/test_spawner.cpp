@@ -174,6 +174,33 @@ TEST_CASE("quiet with a log folder: both streams go to NAME.log, none to the ter
   CHECK(exits.at(0).last_stderr == std::vector<std::string>{"b", "c"});  // the last 2
 }
 
+TEST_CASE("a log write that fails warns once, naming the file and the error; nothing stops",
+          "[spawner]") {
+  TempDir tmp;
+  const fs::path logs = tmp.path / "logs";
+  fs::create_directory(logs);
+  // /dev/full fails every write with ENOSPC, as a file system that filled up during the run does.
+  fs::create_symlink("/dev/full", logs / "model-0.log");
+  Exits exits;
+  {
+    CaptureOutput capture(tmp.path / "terminal");
+    Spawner spawner(quiet(logs), exits.handler());
+    spawner.spawn(sh("model:0", "echo one; echo two >&2; echo three"));
+    REQUIRE(exits.wait_for(1));
+    spawner.spawn(sh("model:1", "echo fine"));
+    REQUIRE(exits.wait_for(2));
+  }
+  // Quiet: the warning is all the terminal got, once for three lines lost.
+  CHECK(read_file(tmp.path / "terminal") ==
+        "twinkle: warning: --log-dir " + logs.string() +
+            ": cannot write model-0.log (No space left on device); the run goes on, and the lines "
+            "that cannot be written are lost (this warning is given once)\n");
+  CHECK(exits.at(0).exit_code == 0);
+  CHECK(exits.at(0).last_stderr == std::vector<std::string>{"two"});
+  CHECK(exits.at(1).exit_code == 0);
+  CHECK(read_file(logs / "model-1.log") == "fine\n");
+}
+
 TEST_CASE("a process killed by a signal", "[spawner]") {
   Exits exits;
   Spawner spawner(quiet(), exits.handler());
