@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "transports/fd.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core {
 
-using transport::Fd;
 using transport::FdPair;
 
 // The running twinkle binary (/proc/self/exe), which workers and node agents run. Throws Error

@@ -195,8 +195,7 @@ TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]
   TempDir dir;
   zmq::context_t ctx;
   LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
-  auto link =
-      connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1).release());
+  auto link = connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1));
   link->send(Message{MsgType::hello, 0, Value::map({{"pid", 42}, {"host", "h"}})});
 
   auto e = channel.next(5s);

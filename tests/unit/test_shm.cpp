@@ -1,9 +1,8 @@
 #include <catch2/catch.hpp>
 
-#include <sys/socket.h>
-
 #include <cstring>
 
+#include "transports/fd.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
@@ -23,16 +22,11 @@ Tensor pattern(std::size_t bytes) {
   return t;
 }
 
-struct Pair {
-  int fds[2];
-  Pair() { REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) == 0); }
-};
-
 }  // namespace
 
 TEST_CASE("a large tensor crosses as shared memory, bit-exact, with no payload frame", "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   Tensor big = pattern(24 << 20);
   Tensor small = pattern(1000);
   auto frames =
@@ -49,8 +43,8 @@ TEST_CASE("a large tensor crosses as shared memory, bit-exact, with no payload f
 }
 
 TEST_CASE("slices of a shared tensor are sent at their offsets without a copy", "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   Tensor src = pattern(6 << 20);
   Tensor t = shm_tensor(DType::u8, src.shape());
   std::memcpy(t.mutable_data(), src.data(), src.nbytes());
@@ -61,8 +55,8 @@ TEST_CASE("slices of a shared tensor are sent at their offsets without a copy", 
 
 TEST_CASE("without a channel, shared-memory entries are refused; dropped descriptors are skipped",
           "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   auto dropped = encode_message(Message{MsgType::call, 1, Value(pattern(2 << 20))}, &a);
   CHECK_THROWS_WITH(
       decode_message(encode_message(Message{MsgType::call, 2, Value(pattern(2 << 20))}, &a)),
@@ -73,9 +67,9 @@ TEST_CASE("without a channel, shared-memory entries are refused; dropped descrip
 }
 
 TEST_CASE("the pool reuses a segment only after every peer released it", "[shm]") {
-  Pair p;
+  FdPair p = FdPair::seqpacket("the test channel");
   ShmPool pool;
-  ShmChannel a(p.fds[0], &pool), b(p.fds[1]);
+  ShmChannel a(std::move(p.first), &pool), b(std::move(p.second));
   const void* first_data = nullptr;
   Tensor other;  // stays in use throughout
   {

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::transport {
 
@@ -179,8 +180,9 @@ Message decode_message(std::vector<zmq::message_t>&& frames, ShmChannel* channel
       if (d.size() == 5) {
         if (!channel)
           throw TransportError("malformed message: a shared-memory tensor without a channel");
-        const int fd = channel->receive(d[2].as<std::uint64_t>());
-        auto seg = channel->map(fd, d[3].as<std::size_t>(), nbytes, d[4].as<std::uint64_t>());
+        Fd fd = channel->receive(d[2].as<std::uint64_t>());
+        auto seg =
+            channel->map(std::move(fd), d[3].as<std::size_t>(), nbytes, d[4].as<std::uint64_t>());
         tensors.push_back(Tensor::view_fd(static_cast<DType>(dtype), shape, seg->data(), nbytes,
                                           seg, seg->fd(), d[3].as<std::size_t>()));
         continue;
