@@ -28,8 +28,8 @@
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/security.hpp"
 #include "core/runtime/spawner.hpp"
-#include "transports/fd.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::cli {
 
@@ -84,35 +84,42 @@ std::string first_interface_address() {
 }
 
 // Detaches into the background: the parent returns only once the child says it started (or
-// failed), so that `node start --daemon && twinkle nodes` works. Returns in the child.
-void daemonize(const NodeStartOptions& o, const std::function<void(int ready_fd)>& ready) {
+// failed), so that `node start --daemon && twinkle nodes` works. Returns in the child, with the
+// pipe to write "k" to once serving; a failure before that closes it, and the parent exits 1.
+// On a failure the pipe must close only when this process exits, after main logged the error, so
+// that the log says why by the time the parent exits: a failing holder releases it, not closes it.
+Fd daemonize(const NodeStartOptions& o) {
   int fds[2];
   if (pipe(fds) != 0) throw Error("cannot create a pipe to start the daemon");
+  Fd from_daemon(fds[0]);
+  Fd ready(fds[1]);
   const pid_t pid = fork();
   if (pid < 0) throw Error("cannot fork the daemon");
   if (pid > 0) {
-    close(fds[1]);
+    ready.reset();
     char c = 0;
-    const bool ok = read(fds[0], &c, 1) == 1 && c == 'k';
+    const bool ok = read(from_daemon.get(), &c, 1) == 1 && c == 'k';
     std::exit(ok ? kExitOk : kExitJobFailed);
   }
-  close(fds[0]);
-  setsid();
-  const std::string log =
-      o.log_file.empty() ? (core::cluster::twinkle_home() / "node.log").string() : o.log_file;
-  std::filesystem::create_directories(std::filesystem::path(log).parent_path());
-  FILE* f = std::freopen(log.c_str(), "a", stderr);
-  if (!f) throw ConfigError(fmt::format("--log-file {}: cannot open it", log));
-  std::freopen("/dev/null", "r", stdin);
-  std::freopen("/dev/null", "w", stdout);
-  const std::string pid_file = o.pid_file.empty() ? default_pid_file() : o.pid_file;
-  {
+  from_daemon.reset();
+  try {
+    setsid();
+    const std::string log =
+        o.log_file.empty() ? (core::cluster::twinkle_home() / "node.log").string() : o.log_file;
+    std::filesystem::create_directories(std::filesystem::path(log).parent_path());
+    FILE* f = std::freopen(log.c_str(), "a", stderr);
+    if (!f) throw ConfigError(fmt::format("--log-file {}: cannot open it", log));
+    std::freopen("/dev/null", "r", stdin);
+    std::freopen("/dev/null", "w", stdout);
+    const std::string pid_file = o.pid_file.empty() ? default_pid_file() : o.pid_file;
     std::filesystem::create_directories(std::filesystem::path(pid_file).parent_path());
     std::ofstream out(pid_file, std::ios::trunc);
     out << getpid() << "\n";
+  } catch (...) {
+    ready.release();
+    throw;
   }
-  // Told "k" once serving; a failure before that closes the pipe, and the parent exits 1.
-  ready(fds[1]);
+  return ready;
 }
 
 int run_node_start(NodeStartOptions o) {
@@ -128,8 +135,8 @@ int run_node_start(NodeStartOptions o) {
   for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 
-  int ready_fd = -1;
-  if (o.daemon) daemonize(o, [&](int fd) { ready_fd = fd; });
+  Fd ready;
+  if (o.daemon) ready = daemonize(o);
 
   std::atomic<bool> stop{false};
   std::unique_ptr<core::cluster::Head> head;
@@ -180,9 +187,9 @@ int run_node_start(NodeStartOptions o) {
       ao.log = [](const std::string& l) { log_line("agent", l); };
       agent = std::make_unique<core::cluster::Agent>(std::move(ao));
     }
-    if (ready_fd >= 0) {
-      (void)!write(ready_fd, "k", 1);
-      close(ready_fd);
+    if (ready) {
+      (void)!write(ready.get(), "k", 1);
+      ready.reset();
     }
     int sig = 0;
     sigwait(&set, &sig);
@@ -195,6 +202,7 @@ int run_node_start(NodeStartOptions o) {
     cleanup();
   } catch (...) {
     cleanup();
+    ready.release();  // see daemonize
     if (o.daemon) {
       std::error_code ec;
       std::filesystem::remove(o.pid_file.empty() ? default_pid_file() : o.pid_file, ec);
@@ -223,7 +231,7 @@ int run_node_stop(const NodeStopOptions& o) {
         "Ctrl-C or SIGTERM); pass --pid-file",
         file));
   }
-  transport::Fd fd(static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0)));
+  Fd fd(static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0)));
   if (!fd) {
     std::error_code ec;
     std::filesystem::remove(file, ec);

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::plugins {
 
@@ -163,8 +164,8 @@ void check_elf_image(const unsigned char* h, std::size_t head_size, std::uint64_
 void check_plugin_file(const std::filesystem::path& path) {
   const std::string p = path.string();
   // O_NONBLOCK: opening a FIFO must not wait for a writer.
-  const int fd = ::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
+  const Fd fd(::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!fd) {
     const int e = errno;
     if (e == ENOENT || e == ENOTDIR) {
       throw PluginError(
@@ -172,12 +173,8 @@ void check_plugin_file(const std::filesystem::path& path) {
     }
     throw PluginError(fmt::format("{}: cannot open the plugin: {}", p, std::strerror(e)));
   }
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd.get(), &st) != 0) {
     throw PluginError(fmt::format("{}: cannot stat the plugin: {}", p, std::strerror(errno)));
   }
   if (S_ISDIR(st.st_mode)) {
@@ -197,7 +194,8 @@ void check_plugin_file(const std::filesystem::path& path) {
   std::vector<unsigned char> head(std::min<std::uint64_t>(size, 64 * 1024));
   std::size_t got = 0;
   while (got < head.size()) {
-    const ssize_t n = ::pread(fd, head.data() + got, head.size() - got, static_cast<off_t>(got));
+    const ssize_t n =
+        ::pread(fd.get(), head.data() + got, head.size() - got, static_cast<off_t>(got));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     got += static_cast<std::size_t>(n);
@@ -530,26 +528,26 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
     throw PluginError(
         fmt::format("{}: cannot check the plugin: pipe: {}", file, std::strerror(errno)));
   }
+  Fd from_child(fds[0]);
+  Fd to_parent(fds[1]);
   std::fflush(nullptr);  // the child's exit() must not write our buffered output twice
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int e = errno;
-    ::close(fds[0]);
-    ::close(fds[1]);
     throw PluginError(fmt::format("{}: cannot check the plugin: fork: {}", file, std::strerror(e)));
   }
   if (pid == 0) {
-    ::close(fds[0]);
+    // The child ends in _exit(), which runs no destructor: what it must close, it closes here.
+    from_child.reset();
     ::setpgid(0, 0);  // its own group, so that anything the plugin starts is killed with it
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(kLostParentExit);
-    const int null = ::open("/dev/null", O_RDONLY);
-    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    if (const Fd null(::open("/dev/null", O_RDONLY)); null) ::dup2(null.get(), STDIN_FILENO);
     std::string reply;
     int code = 0;
     try {
-      Plugin p = load_reporting(path, fds[1]);
+      Plugin p = load_reporting(path, to_parent.get());
       reply = "K";
       p.handle_ = nullptr;  // no dlclose: its destructors are the plugin's business, not ours
     } catch (const std::exception& e) {
@@ -557,13 +555,13 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
       code = 3;
     }
     for (std::size_t at = 0; at < reply.size();) {
-      const ssize_t n = ::write(fds[1], reply.data() + at, reply.size() - at);
+      const ssize_t n = ::write(to_parent.get(), reply.data() + at, reply.size() - at);
       if (n <= 0) _exit(kLostParentExit);
       at += static_cast<std::size_t>(n);
     }
     _exit(code);
   }
-  ::close(fds[1]);
+  to_parent.reset();    // now, so that the read end sees end of file when the child ends
   ::setpgid(pid, pid);  // also here: no race with the child's own call
 
   std::string got;
@@ -580,11 +578,11 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
     }
     // Wake on output, and at least every 20 ms to notice the exit of a child whose
     // grandchildren keep the pipe open.
-    pollfd pfd{fds[0], POLLIN, 0};
+    pollfd pfd{from_child.get(), POLLIN, 0};
     const int wait_ms = static_cast<int>(std::min<long>(left.count(), 20));
     if (::poll(&pfd, eof ? 0 : 1, wait_ms) > 0) {
       char buf[4096];
-      const ssize_t n = ::read(fds[0], buf, sizeof buf);
+      const ssize_t n = ::read(from_child.get(), buf, sizeof buf);
       if (n > 0 && got.size() < (1 << 20)) got.append(buf, static_cast<std::size_t>(n));
       if (n == 0) eof = true;
     }
@@ -595,13 +593,13 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
     ::waitpid(pid, &status, 0);
   }
   // Whatever the child wrote before it ended.
-  ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(from_child.get(), F_SETFL, O_NONBLOCK);
   for (char buf[4096];;) {
-    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    const ssize_t n = ::read(from_child.get(), buf, sizeof buf);
     if (n <= 0 || got.size() > (1 << 20)) break;
     got.append(buf, static_cast<std::size_t>(n));
   }
-  ::close(fds[0]);
+  from_child.reset();
 
   std::size_t stages = 0;
   while (stages < got.size() && (got[stages] == 'o' || got[stages] == 'e' || got[stages] == 't'))

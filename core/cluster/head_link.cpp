@@ -30,7 +30,7 @@ std::string route_source_address(const std::string& host) {
   if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) {
     throw TransportError(fmt::format("cannot resolve {}: is the head's address right?", host));
   }
-  transport::Fd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  Fd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   // Connecting a UDP socket sends nothing: it only picks the route, and with it the source.
   const int rc = fd ? ::connect(fd.get(), res->ai_addr, res->ai_addrlen) : -1;
   freeaddrinfo(res);

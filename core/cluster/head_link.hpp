@@ -10,10 +10,10 @@
 
 #include <zmq.hpp>
 
-#include "transports/fd.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
 #include "transports/zmq/protocol.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core::cluster {
 
@@ -72,7 +72,7 @@ class HeadLink {
   zmq::socket_t socket_;
   Handler on_message_;
   Beat beat_;
-  transport::Fd wake_;
+  Fd wake_;
   std::mutex mu_;
   std::deque<Message> outbox_;
   std::atomic<bool> stop_{false};

@@ -387,7 +387,7 @@ class ClusterLauncher : public Launcher {
   std::string sha_;
   std::optional<Tensor> plugin_bytes_;
   std::optional<LogDir> logs_;
-  std::vector<transport::Fd> log_files_;  // by peer
+  std::vector<Fd> log_files_;  // by peer
   std::atomic<bool> expecting_{false};
   std::atomic<bool> failed_{false};
   std::mutex mu_;

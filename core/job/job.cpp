@@ -17,6 +17,7 @@
 #include <toml++/toml.h>
 
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core {
 
@@ -789,19 +790,15 @@ Job parse_job(std::string_view text, const std::filesystem::path& file,
 Job load_job(const std::filesystem::path& file, const std::vector<Override>& overrides) {
   const std::string p = file.string();
   // O_NONBLOCK: opening a FIFO must not wait for a writer.
-  const int fd = ::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
+  const Fd fd(::open(p.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!fd) {
     const int e = errno;
     throw ConfigError(e == ENOENT || e == ENOTDIR
                           ? fmt::format("{}: no such job file; check the path", p)
                           : fmt::format("{}: cannot read the job file: {}", p, std::strerror(e)));
   }
-  std::unique_ptr<int, void (*)(int*)> closer(new int(fd), [](int* f) {
-    ::close(*f);
-    delete f;
-  });
   struct stat st {};
-  if (::fstat(fd, &st) != 0)
+  if (::fstat(fd.get(), &st) != 0)
     throw ConfigError(fmt::format("{}: cannot read the job file: {}", p, std::strerror(errno)));
   if (!S_ISREG(st.st_mode)) {
     const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
@@ -821,7 +818,7 @@ Job load_job(const std::filesystem::path& file, const std::vector<Override>& ove
   std::string text;
   char buf[65536];
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
+    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0)
       throw ConfigError(fmt::format("{}: cannot read the job file: {}", p, std::strerror(errno)));

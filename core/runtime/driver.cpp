@@ -33,12 +33,12 @@
 #include "core/runtime/run_dir.hpp"
 #include "core/runtime/worker_env.hpp"
 #include "plugins/loader.hpp"
-#include "transports/fd.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/curve.hpp"
 #include "transports/zmq/kv.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 extern char** environ;
 
@@ -63,10 +63,10 @@ std::string make_run_id() {
 // A free TCP port on loopback for each group's MASTER_PORT; the sockets stay open until all are
 // chosen so that the ports are distinct.
 std::vector<int> free_ports(std::size_t n) {
-  std::vector<transport::Fd> fds;
+  std::vector<Fd> fds;
   std::vector<int> ports;
   for (std::size_t i = 0; i < n; ++i) {
-    transport::Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);

@@ -29,9 +29,9 @@ std::filesystem::path LogDir::file(const std::string& name) const {
   return dir_ / (file + ".log");
 }
 
-transport::Fd LogDir::open(const std::string& name) const {
+Fd LogDir::open(const std::string& name) const {
   const std::filesystem::path path = file(name);
-  transport::Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666));
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666));
   if (!fd) {
     throw ConfigError(fmt::format("--log-dir: cannot write {} ({}); choose a writable folder",
                                   path.string(), std::strerror(errno)));
@@ -39,7 +39,7 @@ transport::Fd LogDir::open(const std::string& name) const {
   return fd;
 }
 
-void LogDir::append(const transport::Fd& log, const std::string& name, const std::string& line) {
+void LogDir::append(const Fd& log, const std::string& name, const std::string& line) {
   const std::string text = line + '\n';
   const char* p = text.data();
   std::size_t left = text.size();

@@ -4,7 +4,7 @@
 #include <filesystem>
 #include <string>
 
-#include "transports/fd.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core {
 
@@ -28,9 +28,9 @@ class LogDir {
   // Worker `name`'s file, opened for appending (created if missing, close-on-exec: the processes
   // spawned later must not inherit it). Throws ConfigError naming the file when it cannot be
   // opened.
-  transport::Fd open(const std::string& name) const;
+  Fd open(const std::string& name) const;
   // Appends `line` and a newline to `log`, worker `name`'s file from open().
-  void append(const transport::Fd& log, const std::string& name, const std::string& line);
+  void append(const Fd& log, const std::string& name, const std::string& line);
 
  private:
   std::filesystem::path file(const std::string& name) const;

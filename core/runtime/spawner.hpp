@@ -16,10 +16,10 @@
 
 #include "core/runtime/log_dir.hpp"
 #include "transports/fd.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core {
 
-using transport::Fd;
 using transport::FdPair;
 
 // The running twinkle binary (/proc/self/exe), which workers and node agents run. Throws Error

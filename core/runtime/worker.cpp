@@ -30,6 +30,7 @@
 #include "transports/zmq/kv.hpp"
 #include "transports/zmq/peers.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core {
 
@@ -146,8 +147,8 @@ class Worker : public HostOps {
           });
     } else {
       const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
-      link_ =
-          transport::connect_local_worker(zmq_, o.endpoint, name_, shm_fd ? std::atoi(shm_fd) : -1);
+      link_ = transport::connect_local_worker(zmq_, o.endpoint, name_,
+                                              Fd(shm_fd ? std::atoi(shm_fd) : -1));
     }
     // create/call/wait/release/attach as in a driver entry (HostOps); the collectives below.
     host_ = host_table();

@@ -312,8 +312,7 @@ TEST_CASE("driver channel: a stranger that takes a worker's identity first does 
   REQUIRE(channel.dropped() == 1);
 
   // The real worker connects later with the same identity: its hello arrives and it is answered.
-  auto link =
-      connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1).release());
+  auto link = connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1));
   link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
   auto e = channel.next(5s);
   REQUIRE(e);
@@ -331,8 +330,7 @@ TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]
   TempDir dir;
   zmq::context_t ctx;
   LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
-  auto link =
-      connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1).release());
+  auto link = connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1));
   link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
 
   auto e = channel.next(5s);

@@ -1,15 +1,18 @@
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "core/job/job.hpp"
 #include "core/job/values.hpp"
@@ -17,8 +20,10 @@
 #include "core/runtime/run_dir.hpp"
 #include "tests/unit/fixtures.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 using namespace twinkle::core;
+using twinkle::Fd;
 using twinkle::TransportError;
 using twinkle::Value;
 namespace fs = std::filesystem;
@@ -64,6 +69,15 @@ std::string owner_part(const RunDir& dir, const std::string& run_id) {
   REQUIRE(name.starts_with(head));
   return name.substr(head.size(), name.size() - head.size() - std::string(".XXXXXX").size());
 }
+
+int open_null() {
+  const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  return fd;
+}
+
+bool is_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
+bool is_closed(int fd) { return ::fcntl(fd, F_GETFD) == -1 && errno == EBADF; }
 
 LostWorker lost_model_2() {
   LostWorker l;
@@ -303,4 +317,53 @@ TEST_CASE("a malformed job description is a TransportError naming what is wrong"
                     Catch::StartsWith("malformed job description: malformed mesh description: "));
 
   CHECK_THROWS_AS(job_from_value(Value("a job")), TransportError);
+}
+
+TEST_CASE("Fd: a moved-from owner does not close; the last owner does", "[fd]") {
+  const int raw = open_null();
+  Fd last;
+  {
+    Fd first(raw);
+    Fd second(std::move(first));
+    CHECK_FALSE(first);
+    CHECK(first.get() == -1);
+    last = std::move(second);
+    CHECK_FALSE(second);
+  }
+  CHECK(is_open(raw));
+  CHECK(last.get() == raw);
+
+  const int other = open_null();
+  last = Fd(other);  // a move assignment closes what the target held
+  CHECK(is_closed(raw));
+  CHECK(last.get() == other);
+  { Fd end(std::move(last)); }
+  CHECK(is_closed(other));
+}
+
+TEST_CASE("Fd: reset closes the old descriptor and owns the new one", "[fd]") {
+  const int first = open_null();
+  const int second = open_null();
+  Fd fd(first);
+  CHECK(fd);
+  fd.reset(second);
+  CHECK(is_closed(first));
+  CHECK(fd.get() == second);
+  CHECK(is_open(second));
+  fd.reset();
+  CHECK(is_closed(second));
+  CHECK_FALSE(fd);
+  fd.reset();  // empty: nothing to close
+  CHECK(fd.get() == -1);
+}
+
+TEST_CASE("Fd: release gives ownership up without closing", "[fd]") {
+  const int raw = open_null();
+  {
+    Fd fd(raw);
+    CHECK(fd.release() == raw);
+    CHECK_FALSE(fd);
+  }
+  CHECK(is_open(raw));
+  Fd owner(raw);  // the test's own, closed at the end
 }

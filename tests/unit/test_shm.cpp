@@ -1,9 +1,8 @@
 #include <catch2/catch.hpp>
 
-#include <sys/socket.h>
-
 #include <cstring>
 
+#include "transports/fd.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
@@ -23,11 +22,6 @@ Tensor pattern(std::size_t bytes) {
   return t;
 }
 
-struct Pair {
-  int fds[2];
-  Pair() { REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) == 0); }
-};
-
 // A call message whose arguments are `v`, and the arguments of a decoded one.
 Message value_message(std::uint64_t id, const Value& v) {
   return Message{id, proto::Call{1, "m", "", encode(v), {}}};
@@ -37,8 +31,8 @@ Value value_of(const Message& m) { return decode(m.get<proto::Call>()->args); }
 }  // namespace
 
 TEST_CASE("a large tensor crosses as shared memory, bit-exact, with no payload frame", "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   Tensor big = pattern(24 << 20);
   Tensor small = pattern(1000);
   auto frames = encode_message(value_message(7, Value::map({{"big", big}, {"small", small}})), &a);
@@ -54,8 +48,8 @@ TEST_CASE("a large tensor crosses as shared memory, bit-exact, with no payload f
 }
 
 TEST_CASE("slices of a shared tensor are sent at their offsets without a copy", "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   Tensor src = pattern(6 << 20);
   Tensor t = shm_tensor(DType::u8, src.shape());
   std::memcpy(t.mutable_data(), src.data(), src.nbytes());
@@ -66,8 +60,8 @@ TEST_CASE("slices of a shared tensor are sent at their offsets without a copy", 
 
 TEST_CASE("without a channel, shared-memory entries are refused; dropped descriptors are skipped",
           "[shm]") {
-  Pair p;
-  ShmChannel a(p.fds[0]), b(p.fds[1]);
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
   auto dropped = encode_message(value_message(1, Value(pattern(2 << 20))), &a);
   CHECK_THROWS_WITH(
       decode_message(encode_message(value_message(2, Value(pattern(2 << 20))), &a)),
@@ -78,9 +72,9 @@ TEST_CASE("without a channel, shared-memory entries are refused; dropped descrip
 }
 
 TEST_CASE("the pool reuses a segment only after every peer released it", "[shm]") {
-  Pair p;
+  FdPair p = FdPair::seqpacket("the test channel");
   ShmPool pool;
-  ShmChannel a(p.fds[0], &pool), b(p.fds[1]);
+  ShmChannel a(std::move(p.first), &pool), b(std::move(p.second));
   const void* first_data = nullptr;
   Tensor other;  // stays in use throughout
   {

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::transport {
 
@@ -194,7 +195,7 @@ class ShmCommunicator : public Communicator {
       throw TransportError(fmt::format("shared-memory slot of {} bytes is too small for {} members",
                                        slot_bytes, c.size));
     }
-    pidfds_.assign(n, -1);
+    pidfds_.resize(n);
     if (c.size <= 1) return;  // a single member shares nothing
     try {
       connect(store);
@@ -350,10 +351,9 @@ class ShmCommunicator : public Communicator {
     if (c.rank == 0) {
       // memfd names are limited to 249 bytes; the name only helps whoever reads /proc/PID/maps.
       const std::string label = fmt::format("twinkle-collectives:{}", c.name).substr(0, 200);
-      fd_ = memfd_create(label.c_str(), MFD_CLOEXEC);
-      if (fd_ < 0)
-        throw TransportError(os_error("shared memory for " + c.name + " (memfd_create)"));
-      if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) {
+      fd_.reset(memfd_create(label.c_str(), MFD_CLOEXEC));
+      if (!fd_) throw TransportError(os_error("shared memory for " + c.name + " (memfd_create)"));
+      if (ftruncate(fd_.get(), static_cast<off_t>(bytes_)) != 0) {
         throw TransportError(
             os_error(fmt::format("shared memory of {} bytes for {} (ftruncate)", bytes_, c.name)));
       }
@@ -363,7 +363,7 @@ class ShmCommunicator : public Communicator {
       header_->size = static_cast<std::uint32_t>(c.size);
       header_->slot_bytes = slot_;
       for (int r = 0; r < c.size; ++r) new (&member(r)) MemberState{};
-      store.set(key, fmt::format("{}:{}:{}", getpid(), fd_, bytes_));
+      store.set(key, fmt::format("{}:{}:{}", getpid(), fd_.get(), bytes_));
     } else {
       attach(store.get(key, c.timeout));
     }
@@ -371,11 +371,10 @@ class ShmCommunicator : public Communicator {
     deadline_ = Clock::now() + c.timeout;
     wait_all("connecting");
     // Every member opened the segment: the descriptor is no longer needed, only the mapping.
-    close(fd_);
-    fd_ = -1;
+    fd_.reset();
     for (std::size_t q = 0; q < n; ++q) {
       const int pid = member(q).pid.load(std::memory_order_acquire);
-      if (pid != getpid()) pidfds_[q] = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+      if (pid != getpid()) pidfds_[q].reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
     }
   }
 
@@ -388,16 +387,13 @@ class ShmCommunicator : public Communicator {
     }
     if (base_) munmap(base_, bytes_);
     base_ = nullptr;
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-    for (int& fd : pidfds_) {
-      if (fd >= 0) close(fd);
-      fd = -1;
-    }
+    fd_.reset();
+    for (Fd& fd : pidfds_) fd.reset();
   }
 
   void map() {
-    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, 0);
+    void* p =
+        mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_.get(), 0);
     if (p == MAP_FAILED) {
       throw TransportError(
           os_error(fmt::format("mapping {} bytes of shared memory for {}", bytes_, config_.name)));
@@ -416,15 +412,15 @@ class ShmCommunicator : public Communicator {
           config_.name, published, bytes_));
     }
     const std::string path = fmt::format("/proc/{}/fd/{}", pid, fd);
-    fd_ = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd_ < 0) {
+    fd_.reset(open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd_) {
       throw TransportError(os_error(fmt::format(
           "{}: opening rank 0's shared memory {} (rank 0 must be a live process of the same user "
           "on this host; set collectives = \"gloo\" where /proc is restricted)",
           config_.name, path)));
     }
     struct stat st {};
-    if (fstat(fd_, &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes_) {
+    if (fstat(fd_.get(), &st) != 0 || static_cast<std::size_t>(st.st_size) != bytes_) {
       throw TransportError(fmt::format("{}: {} is not the expected segment of {} bytes",
                                        config_.name, path, bytes_));
     }
@@ -525,8 +521,8 @@ class ShmCommunicator : public Communicator {
       if (q == config_.rank) continue;
       const int pid = member(q).pid.load(std::memory_order_acquire);
       bool exited = false;
-      if (pidfds_[static_cast<std::size_t>(q)] >= 0) {
-        pollfd p{pidfds_[static_cast<std::size_t>(q)], POLLIN, 0};
+      if (const Fd& pidfd = pidfds_[static_cast<std::size_t>(q)]) {
+        pollfd p{pidfd.get(), POLLIN, 0};
         exited = poll(&p, 1, 0) > 0;
       } else if (pid > 0 && pid != getpid()) {
         exited = kill(pid, 0) != 0 && errno == ESRCH;
@@ -557,10 +553,10 @@ class ShmCommunicator : public Communicator {
   std::size_t slot_;
   std::size_t header_bytes_ = 0;
   std::size_t bytes_ = 0;
-  int fd_ = -1;
+  Fd fd_;  // the segment's, until every member mapped it
   std::byte* base_ = nullptr;
   Header* header_ = nullptr;
-  std::vector<int> pidfds_;
+  std::vector<Fd> pidfds_;  // per member: readable once it exited; empty for self or unknown
   std::uint64_t barriers_ = 0;
   std::uint64_t round_ = 0;
   Clock::time_point deadline_;

@@ -27,14 +27,14 @@ std::string os_error(const char* what) { return fmt::format("{}: {}", what, std:
 
 std::unique_ptr<ShmSegment> ShmSegment::create(std::size_t bytes) {
   std::unique_ptr<ShmSegment> s(new ShmSegment);
-  s->fd_ = memfd_create("twinkle-tensor", MFD_CLOEXEC);
-  if (s->fd_ < 0) throw TransportError(os_error("shared memory for a tensor (memfd_create)"));
+  s->fd_.reset(memfd_create("twinkle-tensor", MFD_CLOEXEC));
+  if (!s->fd_) throw TransportError(os_error("shared memory for a tensor (memfd_create)"));
   const std::size_t len = std::max<std::size_t>(bytes, 1);
-  if (ftruncate(s->fd_, static_cast<off_t>(len)) != 0) {
+  if (ftruncate(s->fd_.get(), static_cast<off_t>(len)) != 0) {
     throw TransportError(
         os_error(fmt::format("shared memory of {} bytes (ftruncate)", bytes).c_str()));
   }
-  s->map_ = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s->fd_, 0);
+  s->map_ = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s->fd_.get(), 0);
   if (s->map_ == MAP_FAILED) {
     s->map_ = nullptr;
     throw TransportError(os_error(fmt::format("mapping {} bytes of shared memory", bytes).c_str()));
@@ -45,12 +45,12 @@ std::unique_ptr<ShmSegment> ShmSegment::create(std::size_t bytes) {
   return s;
 }
 
-std::unique_ptr<ShmSegment> ShmSegment::map(int fd, std::size_t offset, std::size_t bytes) {
+std::unique_ptr<ShmSegment> ShmSegment::map(Fd fd, std::size_t offset, std::size_t bytes) {
   std::unique_ptr<ShmSegment> s(new ShmSegment);
-  s->fd_ = fd;
+  s->fd_ = std::move(fd);
   const std::size_t start = offset / page_size() * page_size();
   const std::size_t len = std::max<std::size_t>(offset - start + bytes, 1);
-  s->map_ = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+  s->map_ = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s->fd_.get(),
                  static_cast<off_t>(start));
   if (s->map_ == MAP_FAILED) {
     s->map_ = nullptr;
@@ -64,7 +64,6 @@ std::unique_ptr<ShmSegment> ShmSegment::map(int fd, std::size_t offset, std::siz
 
 ShmSegment::~ShmSegment() {
   if (map_) munmap(map_, map_size_);
-  if (fd_ >= 0) close(fd_);
 }
 
 namespace {
@@ -177,11 +176,11 @@ Value decode_to_shm(const twk_value_v1& v, ShmPool* pool) {
   return decode(e.msgpack.data(), e.msgpack.size(), e.tensors);
 }
 
-ShmChannel::ShmChannel(int socket_fd, ShmPool* pool) : socket_(socket_fd), pool_(pool) {}
+ShmChannel::ShmChannel(Fd socket, ShmPool* pool) : socket_(std::move(socket)), pool_(pool) {}
 
-std::shared_ptr<ShmSegment> ShmChannel::map(int fd, std::size_t offset, std::size_t bytes,
+std::shared_ptr<ShmSegment> ShmChannel::map(Fd fd, std::size_t offset, std::size_t bytes,
                                             std::uint64_t pool_id) {
-  std::unique_ptr<ShmSegment> seg = ShmSegment::map(fd, offset, bytes);
+  std::unique_ptr<ShmSegment> seg = ShmSegment::map(std::move(fd), offset, bytes);
   return std::shared_ptr<ShmSegment>(seg.release(), [pool_id, released = released_](ShmSegment* s) {
     delete s;
     if (pool_id) {
@@ -194,10 +193,6 @@ std::shared_ptr<ShmSegment> ShmChannel::map(int fd, std::size_t offset, std::siz
 std::vector<std::uint64_t> ShmChannel::take_released() {
   std::lock_guard lock(released_->mu);
   return std::exchange(released_->ids, {});
-}
-
-ShmChannel::~ShmChannel() {
-  if (socket_ >= 0) close(socket_);
 }
 
 std::uint64_t ShmChannel::send(int fd) {
@@ -214,14 +209,14 @@ std::uint64_t ShmChannel::send(int fd) {
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  while (sendmsg(socket_, &msg, MSG_NOSIGNAL) < 0) {
+  while (sendmsg(socket_.get(), &msg, MSG_NOSIGNAL) < 0) {
     if (errno != EINTR)
       throw TransportError(os_error("passing a shared-memory tensor to the peer"));
   }
   return token;
 }
 
-int ShmChannel::receive(std::uint64_t token) {
+Fd ShmChannel::receive(std::uint64_t token) {
   for (;;) {
     std::uint64_t got = 0;
     iovec iov{&got, sizeof got};
@@ -231,18 +226,20 @@ int ShmChannel::receive(std::uint64_t token) {
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof control;
-    ssize_t n = recvmsg(socket_, &msg, MSG_CMSG_CLOEXEC);
+    ssize_t n = recvmsg(socket_.get(), &msg, MSG_CMSG_CLOEXEC);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0)
       throw TransportError(n == 0 ? "the peer closed the shared-memory channel"
                                   : os_error("receiving a shared-memory tensor"));
-    int fd = -1;
+    Fd fd;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-        std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        int received = -1;
+        std::memcpy(&received, CMSG_DATA(c), sizeof received);
+        fd.reset(received);
+      }
     }
-    if (got == token && fd >= 0) return fd;
-    if (fd >= 0) close(fd);
+    if (got == token && fd) return fd;
     if (got > token) {
       throw TransportError(fmt::format("shared-memory tensor {} is missing (got {})", token, got));
     }

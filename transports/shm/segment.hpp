@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "twinkle/fd.hpp"
 #include "twinkle/value.hpp"
 
 // Local zero-copy buffers: large tensors live in anonymous shared-memory files (memfd) that are
@@ -25,7 +26,7 @@ class ShmSegment {
   // A new zero-filled segment of `bytes`, mapped read-write. Throws TransportError.
   static std::unique_ptr<ShmSegment> create(std::size_t bytes);
   // Maps [offset, offset + bytes) of the received descriptor `fd`, taking ownership of it.
-  static std::unique_ptr<ShmSegment> map(int fd, std::size_t offset, std::size_t bytes);
+  static std::unique_ptr<ShmSegment> map(Fd fd, std::size_t offset, std::size_t bytes);
 
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
@@ -33,11 +34,12 @@ class ShmSegment {
 
   std::byte* data() const { return data_; }
   std::size_t size() const { return size_; }
-  int fd() const { return fd_; }
+  // The segment's descriptor, still owned by the segment.
+  int fd() const { return fd_.get(); }
 
  private:
   ShmSegment() = default;
-  int fd_ = -1;
+  Fd fd_;
   void* map_ = nullptr;
   std::size_t map_size_ = 0;
   std::byte* data_ = nullptr;
@@ -103,18 +105,18 @@ inline EncodedValue adopt_copy(const twk_value_v1& v) { return copy_encoded(v); 
 // it let go of, for the next message back. Send from one thread; receive from one thread.
 class ShmChannel {
  public:
-  explicit ShmChannel(int socket_fd, ShmPool* pool = nullptr);  // takes ownership of socket_fd
+  explicit ShmChannel(Fd socket, ShmPool* pool = nullptr);
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
-  ~ShmChannel();
 
+  // Passes `fd`, which stays the caller's, and returns its token.
   std::uint64_t send(int fd);
-  int receive(std::uint64_t token);
+  Fd receive(std::uint64_t token);
   ShmPool* pool() const { return pool_; }
 
   // Maps a received segment; when the last reference goes, `pool_id` (if not 0) is recorded as
   // released. Thread-safe.
-  std::shared_ptr<ShmSegment> map(int fd, std::size_t offset, std::size_t bytes,
+  std::shared_ptr<ShmSegment> map(Fd fd, std::size_t offset, std::size_t bytes,
                                   std::uint64_t pool_id);
   // The pool ids released since the last call. Thread-safe.
   std::vector<std::uint64_t> take_released();
@@ -124,7 +126,7 @@ class ShmChannel {
     std::mutex mu;
     std::vector<std::uint64_t> ids;
   };
-  int socket_ = -1;
+  Fd socket_;
   std::uint64_t next_token_ = 0;
   ShmPool* pool_ = nullptr;
   std::shared_ptr<Released> released_ = std::make_shared<Released>();

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "transports/fd.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::transport {
@@ -44,13 +45,13 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
 class LocalWorkerLink : public WorkerLink {
  public:
   LocalWorkerLink(zmq::context_t& context, const std::string& endpoint, const std::string& identity,
-                  int shm_fd)
+                  Fd shm)
       : socket_(make_socket(context, zmq::socket_type::dealer)) {
     socket_.set(zmq::sockopt::routing_id, identity);
     // Replies already queued still leave when the worker exits after its last one.
     socket_.set(zmq::sockopt::linger, 2000);
     socket_.connect(endpoint);
-    if (shm_fd >= 0) shm_ = std::make_unique<ShmChannel>(shm_fd);
+    if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
   }
   void send(const Message& m) override { send_message(socket_, m, nullptr, shm_.get()); }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
@@ -211,7 +212,7 @@ LocalDriverChannel::LocalDriverChannel(zmq::context_t& context,
   }
   for (std::size_t i = 0; i < identities_.size(); ++i) {
     FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
-    shm_.push_back(std::make_unique<ShmChannel>(pair.first.release(), &pool_));
+    shm_.push_back(std::make_unique<ShmChannel>(std::move(pair.first), &pool_));
     worker_ends_.push_back(std::move(pair.second));
   }
 }
@@ -293,8 +294,8 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
 
 std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
                                                  const std::string& endpoint,
-                                                 const std::string& identity, int shm_fd) {
-  return std::make_unique<LocalWorkerLink>(context, endpoint, identity, shm_fd);
+                                                 const std::string& identity, Fd shm) {
+  return std::make_unique<LocalWorkerLink>(context, endpoint, identity, std::move(shm));
 }
 
 }  // namespace twinkle::transport

@@ -15,10 +15,10 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
-#include "transports/fd.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
+#include "twinkle/fd.hpp"
 
 // The worker channel: how the driver and its workers exchange messages, whatever carries them.
 // The driver's logic sees peers (worker indices), messages and lost peers; never a socket, an
@@ -156,7 +156,7 @@ class LocalDriverChannel : public RouterDriverChannel {
   ~LocalDriverChannel() override;
 
   // The worker's end of peer's descriptor channel, for the launcher to hand to that worker
-  // (connect_local_worker's `shm_fd`). Once per peer.
+  // (connect_local_worker's `shm`). Once per peer.
   Fd take_worker_end(std::size_t peer);
 
   EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
@@ -183,10 +183,10 @@ class TcpDriverChannel : public RouterDriverChannel {
 };
 
 // A local worker's end: a DEALER with `identity` connected to `endpoint`, and its descriptor
-// channel `shm_fd` (taken over; -1 for none).
+// channel `shm` (taken over; empty for none).
 std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
                                                  const std::string& endpoint,
-                                                 const std::string& identity, int shm_fd);
+                                                 const std::string& identity, Fd shm);
 
 }  // namespace twinkle::transport
 

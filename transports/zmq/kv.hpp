@@ -9,8 +9,8 @@
 #include <zmq.hpp>
 
 #include "transports/communicator.hpp"
-#include "transports/fd.hpp"
 #include "transports/zmq/auth.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::transport {
 

@@ -11,6 +11,7 @@
 
 #include "transports/zmq/codec.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::transport {
 
@@ -213,8 +214,8 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
       const auto token = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[2], "token", i));
       const auto at = static_cast<std::size_t>(checked_int(d.via.array.ptr[3], "offset", i));
       const auto pool = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[4], "pool id", i));
-      const int fd = channel->receive(token);
-      auto seg = channel->map(fd, at, nbytes, pool);
+      Fd fd = channel->receive(token);
+      auto seg = channel->map(std::move(fd), at, nbytes, pool);
       u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
       continue;
     }

@@ -94,7 +94,7 @@ void ServeSocket::accept_pending() {
     const ssize_t n = ::recv(fd.get(), name, sizeof name, 0);
     if (n <= 0) continue;
     shm_[std::string(name, static_cast<std::size_t>(n))] =
-        std::make_unique<ShmChannel>(fd.release(), &pool_);
+        std::make_unique<ShmChannel>(std::move(fd), &pool_);
   }
 }
 
@@ -177,7 +177,7 @@ std::unique_ptr<ShmChannel> PeerChannel::open_shm(std::size_t peer) {
   if (!fd || ::send(fd.get(), identity_.data(), identity_.size(), MSG_NOSIGNAL) !=
                  static_cast<ssize_t>(identity_.size()))
     return nullptr;  // plain frames then: slower, not wrong
-  return std::make_unique<ShmChannel>(fd.release(), &pool_);
+  return std::make_unique<ShmChannel>(std::move(fd), &pool_);
 }
 
 void PeerChannel::send(std::size_t peer, const Message& m) {

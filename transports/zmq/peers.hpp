@@ -11,11 +11,11 @@
 
 #include <zmq.hpp>
 
-#include "transports/fd.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
+#include "twinkle/fd.hpp"
 
 // Calls between groups (docs/ARCHITECTURE.md, Calls between groups): worker-to-worker traffic.
 // Every worker serves calls from the other workers of its run on a socket of its own (ServeSocket);
