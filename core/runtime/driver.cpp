@@ -105,39 +105,14 @@ class JobRun : public HostOps {
     job_ = load_job(options_.job_file, options_.overrides);
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
-    if (job_.mode == Mode::remote) {
-      if (!options_.connect) {
-        throw ConfigError(
-            fmt::format("{}: mode = \"remote\" needs a cluster address", job_.file.string()));
-      }
-      site_ = options_.connect(job_);
-      auto reserved = site_->reserve(
-          job_, run_id_, [this](std::chrono::milliseconds d) { return !stop_signal_within(d); });
-      if (!reserved) {
-        std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
-                     signal_name(signal_.load()));
-        return {RunResult::Outcome::interrupted, signal_.load()};
-      }
-      placement_ = std::move(*reserved);
-    } else {
-      const NodeResources local = discover_local(options_.gpus);
-      placement_ = place(job_, local);
+    if (!place_ranks()) {
+      std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
+                   signal_name(signal_.load()));
+      return {RunResult::Outcome::interrupted, signal_.load()};
     }
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
     std::fflush(stdout);
-
-    plugin_.emplace(plugins::Plugin::load_checked(job_.plugin_path));
-    driver_fn_ = plugin_->find_driver(job_.driver);
-    if (!driver_fn_) {
-      std::vector<std::string> names;
-      for (const auto& d : plugin_->drivers()) names.push_back(d.name);
-      throw PluginError(fmt::format(
-          "{}: plugin has no driver entry \"{}\" (it has: {}); declare TWINKLE_DRIVER({}, "
-          "twinkle::Driver& d) or set job.driver",
-          job_.plugin_path.string(), job_.driver,
-          names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", ")),
-          job_.driver));
-    }
+    load_plugin();
 
     prepare();
     start_signal_thread();
@@ -147,25 +122,10 @@ class JobRun : public HostOps {
     } catch (const Error& e) {
       return finish(false, e.what());
     }
-
-    twk_host_v1 host = host_table();
-    EncodedValue args = encode(job_.args);
-    twk_context_v1 ctx{};
-    ctx.size = sizeof ctx;
-    ctx.rank = -1;
-    ctx.world_size = static_cast<std::int32_t>(table_->workers().size());
-    ctx.job = job_.name.c_str();
-    ctx.group = "";
-    ctx.device = "";
-    ctx.args = args.view();
-    ctx.host_ctx = static_cast<HostOps*>(this);
-    const std::string job_dir = std::filesystem::absolute(job_.file).parent_path().string();
-    ctx.job_dir = job_dir.c_str();
-    SinkCapture result;
-    twk_sink_v1 sink = result.sink();
-    const bool ok = driver_fn_(&host, &ctx, &sink) == TWK_OK;
+    std::string error;
+    const bool ok = run_entry(&error);
     driver_returned();
-    return finish(ok, result.error.value_or(ok ? "" : "the driver entry failed"));
+    return finish(ok, error);
   }
 
   // ----- HostOps: what the plugin's driver entry calls ------------------------------------
@@ -208,70 +168,13 @@ class JobRun : public HostOps {
   // it, on the same ordered channel); the backend is made when the members first use it.
   void comm_create(std::string_view name_in, const Value& members, double timeout_s) override {
     const std::string name(name_in);
-    const bool name_ok = !name.empty() && name.size() <= kMaxGroupName &&
-                         name.find_first_not_of(
-                             "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                             "0123456789_.-") == std::string::npos;
-    if (!name_ok) {
-      throw CallError(fmt::format(
-          "communicator \"{}\": use 1 to {} letters, digits, '_', '.' or '-' for its name", name,
-          kMaxGroupName));
-    }
-    if (name == "ep" || DeviceMesh::is_known_dim(name)) {
-      throw CallError(fmt::format(
-          "communicator \"{}\": the name of a mesh dimension; ctx.comm(\"{}\") means that "
-          "dimension, so choose another name",
-          name, name));
-    }
-    if (!comms_.insert(name).second)
+    if (comms_.count(name))
       throw CallError(fmt::format("communicator \"{}\" is declared already", name));
-    std::vector<std::size_t> peers;
-    std::vector<std::string> names;
-    std::optional<DeviceType> device;
-    for (const auto& m : members) {
-      const std::string group = m[0].as<std::string>();
-      const auto gi = table_->find_group(group);
-      if (!gi) {
-        comms_.erase(name);
-        throw CallError(
-            fmt::format("communicator \"{}\": the job has no group \"{}\"", name, group));
-      }
-      const GroupInfo& g = table_->groups()[*gi];
-      const GroupSpec& spec = job_.groups.at(*gi);
-      if (device && *device != spec.device) {
-        comms_.erase(name);
-        throw CallError(fmt::format(
-            "communicator \"{}\": its members must share one device type (group {} is {})", name,
-            group, to_string(spec.device)));
-      }
-      device = spec.device;
-      std::vector<int> ranks = m[1].as<std::vector<int>>();
-      if (ranks.empty()) {
-        for (std::size_t i = 0; i < g.peers.size(); ++i) ranks.push_back(static_cast<int>(i));
-      }
-      for (int r : ranks) {
-        if (r < 0 || r >= static_cast<int>(g.peers.size())) {
-          comms_.erase(name);
-          throw CallError(fmt::format("communicator \"{}\": group {} has workers 0 to {}, not {}",
-                                      name, group, g.peers.size() - 1, r));
-        }
-        const std::size_t peer = g.peers[static_cast<std::size_t>(r)];
-        if (std::find(peers.begin(), peers.end(), peer) != peers.end()) {
-          comms_.erase(name);
-          throw CallError(
-              fmt::format("communicator \"{}\": {}:{} is listed twice", name, group, r));
-        }
-        peers.push_back(peer);
-        names.push_back(fmt::format("{}:{}", group, r));
-      }
-    }
-    if (peers.empty()) {
-      comms_.erase(name);
-      throw CallError(fmt::format("communicator \"{}\" has no members", name));
-    }
-    for (std::size_t r = 0; r < peers.size(); ++r) {
-      channel_->send(peers[r],
-                     Message{0, proto::CommJoin{name, static_cast<int>(r), names,
+    const CrossMembers cross = cross_members(name, members);
+    comms_.insert(name);
+    for (std::size_t r = 0; r < cross.peers.size(); ++r) {
+      channel_->send(cross.peers[r],
+                     Message{0, proto::CommJoin{name, static_cast<int>(r), cross.names,
                                                 timeout_s > 0 ? timeout_s : job_.timeout_s}});
     }
   }
@@ -288,13 +191,133 @@ class JobRun : public HostOps {
   }
 
  private:
+  // ----- communicators across groups -------------------------------------------------------
+
+  struct CrossMembers {
+    std::vector<std::size_t> peers;  // by rank
+    std::vector<std::string> names;  // "group:index" by rank
+  };
+
+  // The members of communicator `name` as the driver entry listed them ([[group, [indices]]...],
+  // no indices: the whole group), checked: a valid name that is no mesh dimension, known groups
+  // of one device type, workers that exist, none twice, at least one.
+  CrossMembers cross_members(const std::string& name, const Value& members) const {
+    const bool name_ok = !name.empty() && name.size() <= kMaxGroupName &&
+                         name.find_first_not_of(
+                             "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                             "0123456789_.-") == std::string::npos;
+    if (!name_ok) {
+      throw CallError(fmt::format(
+          "communicator \"{}\": use 1 to {} letters, digits, '_', '.' or '-' for its name", name,
+          kMaxGroupName));
+    }
+    if (name == "ep" || DeviceMesh::is_known_dim(name)) {
+      throw CallError(fmt::format(
+          "communicator \"{}\": the name of a mesh dimension; ctx.comm(\"{}\") means that "
+          "dimension, so choose another name",
+          name, name));
+    }
+    CrossMembers out;
+    std::optional<DeviceType> device;
+    for (const auto& m : members) {
+      const std::string group = m[0].as<std::string>();
+      const auto gi = table_->find_group(group);
+      if (!gi) {
+        throw CallError(
+            fmt::format("communicator \"{}\": the job has no group \"{}\"", name, group));
+      }
+      const GroupInfo& g = table_->groups()[*gi];
+      const GroupSpec& spec = job_.groups.at(*gi);
+      if (device && *device != spec.device) {
+        throw CallError(fmt::format(
+            "communicator \"{}\": its members must share one device type (group {} is {})", name,
+            group, to_string(spec.device)));
+      }
+      device = spec.device;
+      std::vector<int> ranks = m[1].as<std::vector<int>>();
+      if (ranks.empty()) {
+        for (std::size_t i = 0; i < g.peers.size(); ++i) ranks.push_back(static_cast<int>(i));
+      }
+      for (int r : ranks) {
+        if (r < 0 || r >= static_cast<int>(g.peers.size())) {
+          throw CallError(fmt::format("communicator \"{}\": group {} has workers 0 to {}, not {}",
+                                      name, group, g.peers.size() - 1, r));
+        }
+        const std::size_t peer = g.peers[static_cast<std::size_t>(r)];
+        if (std::find(out.peers.begin(), out.peers.end(), peer) != out.peers.end()) {
+          throw CallError(
+              fmt::format("communicator \"{}\": {}:{} is listed twice", name, group, r));
+        }
+        out.peers.push_back(peer);
+        out.names.push_back(fmt::format("{}:{}", group, r));
+      }
+    }
+    if (out.peers.empty()) throw CallError(fmt::format("communicator \"{}\" has no members", name));
+    return out;
+  }
+
   // ----- start-up ---------------------------------------------------------------------------
+
+  // Where every rank runs: this machine's devices, or a reservation on the cluster (which may
+  // wait for devices); false when a stop signal came while waiting.
+  bool place_ranks() {
+    if (job_.mode != Mode::remote) {
+      placement_ = place(job_, discover_local(options_.gpus));
+      return true;
+    }
+    if (!options_.connect) {
+      throw ConfigError(
+          fmt::format("{}: mode = \"remote\" needs a cluster address", job_.file.string()));
+    }
+    site_ = options_.connect(job_);
+    auto reserved = site_->reserve(
+        job_, run_id_, [this](std::chrono::milliseconds d) { return !stop_signal_within(d); });
+    if (!reserved) return false;
+    placement_ = std::move(*reserved);
+    return true;
+  }
+
+  // The plugin, checked in a child first, and its driver entry.
+  void load_plugin() {
+    plugin_.emplace(plugins::Plugin::load_checked(job_.plugin_path));
+    driver_fn_ = plugin_->find_driver(job_.driver);
+    if (driver_fn_) return;
+    std::vector<std::string> names;
+    for (const auto& d : plugin_->drivers()) names.push_back(d.name);
+    throw PluginError(fmt::format(
+        "{}: plugin has no driver entry \"{}\" (it has: {}); declare TWINKLE_DRIVER({}, "
+        "twinkle::Driver& d) or set job.driver",
+        job_.plugin_path.string(), job_.driver,
+        names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", ")),
+        job_.driver));
+  }
+
+  // Runs the plugin's driver entry with this run as its host; false (and `error`) when it failed.
+  bool run_entry(std::string* error) {
+    twk_host_v1 host = host_table();
+    EncodedValue args = encode(job_.args);
+    twk_context_v1 ctx{};
+    ctx.size = sizeof ctx;
+    ctx.rank = -1;
+    ctx.world_size = static_cast<std::int32_t>(table_->workers().size());
+    ctx.job = job_.name.c_str();
+    ctx.group = "";
+    ctx.device = "";
+    ctx.args = args.view();
+    ctx.host_ctx = static_cast<HostOps*>(this);
+    const std::string job_dir = std::filesystem::absolute(job_.file).parent_path().string();
+    ctx.job_dir = job_dir.c_str();
+    SinkCapture result;
+    twk_sink_v1 sink = result.sink();
+    const bool ok = driver_fn_(&host, &ctx, &sink) == TWK_OK;
+    *error = result.error.value_or(ok ? "" : "the driver entry failed");
+    return ok;
+  }
 
   // Everything a run needs before its workers start: the run folder, the channel, the rendezvous
   // store, the call table, the launcher and each worker's environment.
   void prepare() {
     run_dir_ = std::make_unique<RunDir>(run_id_);
-
     std::vector<std::string> identities;
     std::vector<GroupInfo> groups;
     std::vector<WorkerInfo> workers;
@@ -315,53 +338,9 @@ class JobRun : public HostOps {
       groups.push_back(std::move(g));
     }
 
-    std::vector<std::string> base;
-    std::vector<Rendezvous> rendezvous;
-    if (site_) {
-      // Every socket of the run uses CURVE when the cluster does: the driver's key pair and the
-      // workers' are made for this run and reach the workers through the (authenticated) agents.
-      transport::SocketSecurity driver_side, worker_side;
-      if (site_->secure()) {
-        driver_side.keys = transport::generate_keypair();
-        worker_side.keys = transport::generate_keypair();
-        worker_side.server_key = driver_side.keys->public_key;
-        gate_ = std::make_unique<transport::KeyGate>(
-            zmq_, std::set<std::string>{worker_side.keys->public_key}, [](const std::string& line) {
-              std::fprintf(stderr, "twinkle: %s\n", line.c_str());
-              std::fflush(stderr);
-            });
-      }
-      const std::string address = site_->driver_address();
-      channel_ =
-          std::make_unique<transport::TcpDriverChannel>(zmq_, address, identities, driver_side);
-      kv_ = std::make_unique<transport::KvServer>(zmq_, fmt::format("tcp://{}:*", address),
-                                                  driver_side);
-      RemoteSite::Launch launch{job_.plugin_path, channel_->endpoint(), worker_side,
-                                options_.log_dir, options_.quiet};
-      launcher_ = site_->launcher(job_, placement_, std::move(launch), *channel_);
-      // Workers run elsewhere: they get Twinkle's variables, not this machine's environment.
-      std::mt19937 pick(std::random_device{}());
-      for (const auto& gp : placement_.groups) {
-        const int first = gp.workers.empty() ? 0 : gp.workers.front().node;
-        rendezvous.push_back(Rendezvous{placement_.nodes.at(first).address,
-                                        std::uniform_int_distribution<int>(20000, 39999)(pick)});
-      }
-    } else {
-      auto local = std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"),
-                                                                   identities);
-      kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
-      LocalLaunchOptions lo;
-      lo.exe = twinkle_binary();
-      lo.plugin = job_.plugin_path;
-      lo.run_dir = run_dir_->path();
-      lo.log_dir = options_.log_dir;
-      lo.quiet = options_.quiet;
-      launcher_ = std::make_unique<LocalLauncher>(lo, *local);
-      channel_ = std::move(local);
-      for (char** e = environ; *e; ++e) base.emplace_back(*e);
-      for (int port : free_ports(placement_.groups.size()))
-        rendezvous.push_back(Rendezvous{"127.0.0.1", port});
-    }
+    std::vector<std::string> base;  // the environment the workers start from
+    const std::vector<Rendezvous> rendezvous =
+        site_ ? prepare_remote(identities) : prepare_local(identities, &base);
     CustomFunctions custom{[this](std::string_view n) { return plugin_->find_dispatcher(n); },
                            [this](std::string_view n) { return plugin_->find_collector(n); }};
     table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
@@ -386,6 +365,62 @@ class JobRun : public HostOps {
                              worker_env(base, placement_, gi, wi, rendezvous[gi], run)});
       }
     }
+  }
+
+  // Remote mode: the channel and the store on TCP (CURVE when the cluster uses keys) and the
+  // cluster's launcher; each group's MASTER_ADDR:MASTER_PORT on its first node.
+  std::vector<Rendezvous> prepare_remote(const std::vector<std::string>& identities) {
+    // Every socket of the run uses CURVE when the cluster does: the driver's key pair and the
+    // workers' are made for this run and reach the workers through the (authenticated) agents.
+    transport::SocketSecurity driver_side, worker_side;
+    if (site_->secure()) {
+      driver_side.keys = transport::generate_keypair();
+      worker_side.keys = transport::generate_keypair();
+      worker_side.server_key = driver_side.keys->public_key;
+      gate_ = std::make_unique<transport::KeyGate>(
+          zmq_, std::set<std::string>{worker_side.keys->public_key}, [](const std::string& line) {
+            std::fprintf(stderr, "twinkle: %s\n", line.c_str());
+            std::fflush(stderr);
+          });
+    }
+    const std::string address = site_->driver_address();
+    channel_ =
+        std::make_unique<transport::TcpDriverChannel>(zmq_, address, identities, driver_side);
+    kv_ = std::make_unique<transport::KvServer>(zmq_, fmt::format("tcp://{}:*", address),
+                                                driver_side);
+    RemoteSite::Launch launch{job_.plugin_path, channel_->endpoint(), worker_side, options_.log_dir,
+                              options_.quiet};
+    launcher_ = site_->launcher(job_, placement_, std::move(launch), *channel_);
+    std::vector<Rendezvous> rendezvous;
+    std::mt19937 pick(std::random_device{}());
+    for (const auto& gp : placement_.groups) {
+      const int first = gp.workers.empty() ? 0 : gp.workers.front().node;
+      rendezvous.push_back(Rendezvous{placement_.nodes.at(first).address,
+                                      std::uniform_int_distribution<int>(20000, 39999)(pick)});
+    }
+    return rendezvous;
+  }
+
+  // Local mode: the channel and the store on Unix sockets in the run folder, the local launcher,
+  // one free loopback port per group; workers start from this process's environment (`base`).
+  std::vector<Rendezvous> prepare_local(const std::vector<std::string>& identities,
+                                        std::vector<std::string>* base) {
+    auto local =
+        std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"), identities);
+    kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
+    LocalLaunchOptions lo;
+    lo.exe = twinkle_binary();
+    lo.plugin = job_.plugin_path;
+    lo.run_dir = run_dir_->path();
+    lo.log_dir = options_.log_dir;
+    lo.quiet = options_.quiet;
+    launcher_ = std::make_unique<LocalLauncher>(lo, *local);
+    channel_ = std::move(local);
+    for (char** e = environ; *e; ++e) base->emplace_back(*e);
+    std::vector<Rendezvous> rendezvous;
+    for (int port : free_ports(placement_.groups.size()))
+      rendezvous.push_back(Rendezvous{"127.0.0.1", port});
+    return rendezvous;
   }
 
   // Waits up to `d` for a stop signal (they are blocked: nothing else takes them before the

@@ -21,13 +21,10 @@
 
 #include "core/job/values.hpp"
 #include "core/runtime/call_table.hpp"
+#include "core/runtime/communicators.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
-#include "transports/gloo/communicator.hpp"
-#include "transports/nccl/communicator.hpp"
-#include "transports/shm/communicator.hpp"
 #include "transports/zmq/channel.hpp"
-#include "transports/zmq/kv.hpp"
 #include "transports/zmq/peers.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
@@ -221,9 +218,10 @@ class Worker : public HostOps {
       mesh_ = std::make_unique<DeviceMesh>(mesh_from_value(welcome->mesh));
       mesh_abi_ = std::make_unique<MeshAbi>(*mesh_);
       device_ = welcome->device;
-      kv_endpoint_ = welcome->kv;
-      collectives_ = welcome->collectives;
       timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->timeout_s * 1000));
+      comms_ = std::make_unique<Communicators>(
+          zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
+                                  timeout_, welcome->kv, security_, node_ip_});
       peers_from(*welcome);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "twinkle worker %s: the driver's welcome does not fit this worker: %s\n",
@@ -288,12 +286,6 @@ class Worker : public HostOps {
   struct Instance {
     const plugins::ClassInfo* cls;
     void* self;
-  };
-  // This worker's place in a communicator across groups (Driver::communicator).
-  struct Cross {
-    int rank = 0;
-    std::vector<std::string> members;  // "group:index" by rank
-    std::chrono::milliseconds timeout{0};
   };
 
   // Something to run: a message from the driver (`from` empty) or a request from another worker.
@@ -403,11 +395,7 @@ class Worker : public HostOps {
       if (auto* lost = m->get<proto::PeerLost>()) {
         if (peers_) peers_->lost(lost->peer, std::move(lost->text));
       } else if (auto* join = m->get<proto::CommJoin>()) {
-        Cross c;
-        c.rank = join->rank;
-        c.members = std::move(join->members);
-        c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(join->timeout_s * 1000));
-        cross_[join->name] = std::move(c);
+        comms_->join(*join);
       } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>()) {
         queue_.push_back(Pending{"", std::move(*m)});
       } else {
@@ -582,7 +570,7 @@ class Worker : public HostOps {
     } else if (m.get<proto::Shutdown>()) {
       for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
       instances_.clear();
-      comms_.clear();
+      comms_->clear();
       return false;
     }
     return true;
@@ -614,101 +602,20 @@ class Worker : public HostOps {
     return static_cast<transport::ReduceOp>(op);
   }
 
-  // The communicator of `dim` ("" = the group), made on first use: its members are the ranks that
-  // share every other mesh coordinate, and its store keys are named after the group, the
-  // dimension and the sub-group's index so that every member finds the same ones.
-  // A communicator across groups: every member first says it joined, so that one that never
-  // does is named (instead of a rendezvous key nobody recognises).
-  void join(const std::string& name, const Cross& c, transport::CommConfig& config) {
-    config.name = "cross/" + name;
-    config.rank = c.rank;
-    config.size = static_cast<int>(c.members.size());
-    config.timeout = c.timeout;
-    kv_->set(fmt::format("{}/joined/{}", config.name, c.rank), "1");
-    const auto deadline = std::chrono::steady_clock::now() + c.timeout;
-    std::vector<std::string> missing;
-    for (int r = 0; r < config.size; ++r) {
-      // Past the deadline a member that did join still answers within a round trip.
-      const auto left = std::max(std::chrono::milliseconds(500),
-                                 std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     deadline - std::chrono::steady_clock::now()));
-      try {
-        kv_->get(fmt::format("{}/joined/{}", config.name, r), left);
-      } catch (const TransportError&) {
-        missing.push_back(fmt::format("rank {} ({})", r, c.members[static_cast<std::size_t>(r)]));
-      }
-    }
-    if (!missing.empty()) {
-      throw TransportError(fmt::format(
-          "communicator {}: {} never joined within {:g} s; every member must make the same "
-          "collective calls on it",
-          name, fmt::join(missing, ", "), static_cast<double>(c.timeout.count()) / 1000.0));
-    }
-  }
-
-  transport::Communicator& comm(const std::string& dim) {
-    if (auto it = comms_.find(dim); it != comms_.end()) return *it->second;
-    transport::CommConfig config;
-    config.timeout = timeout_;
-    if (!node_ip_.empty()) config.host = node_ip_;
-    if (!kv_) kv_ = std::make_unique<transport::KvClient>(zmq_, kv_endpoint_, security_);
-    if (auto cross = cross_.find(dim); cross != cross_.end()) {
-      join(dim, cross->second, config);
-    } else if (dim.empty()) {
-      config.name = fmt::format("{}/all", group_);
-      config.rank = rank_;
-      config.size = world_;
-    } else {
-      if (dim != "ep" && !DeviceMesh::is_known_dim(dim)) {
-        throw ValueError(fmt::format(
-            "no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
-            "is {}), nor a communicator across groups that this worker is in",
-            dim, mesh_->dimensions_text(true)));
-      }
-      const auto groups = mesh_->groups(dim);
-      for (std::size_t i = 0; i < groups.size(); ++i) {
-        auto at = std::find(groups[i].begin(), groups[i].end(), rank_);
-        if (at == groups[i].end()) continue;
-        config.name = fmt::format("{}/{}/{}", group_, dim, i);
-        config.rank = static_cast<int>(at - groups[i].begin());
-        config.size = static_cast<int>(groups[i].size());
-      }
-    }
-    std::unique_ptr<transport::Communicator> c;
-    if (device_ == "cuda") {
-      c = transport::create_nccl_communicator(*kv_, config);
-    } else if (collectives_ == "gloo") {
-      c = transport::create_gloo_communicator(*kv_, config);
-    } else {
-      // Every member takes the same branch: they all see the same host ids.
-      const bool local = transport::members_share_host(*kv_, config);
-      if (local) {
-        c = transport::create_shm_communicator(*kv_, config);
-      } else if (collectives_ == "shm") {
-        throw TransportError(fmt::format(
-            "collectives = \"shm\" but the members of {} are on more than one host; use \"auto\" "
-            "or \"gloo\"",
-            config.name));
-      } else {
-        c = transport::create_gloo_communicator(*kv_, config);
-      }
-    }
-    return *comms_.emplace(dim, std::move(c)).first->second;
-  }
-
   template <class F>
   std::int32_t collective(const char* dim_c, twk_sink_v1* err, const char* op, F&& f) {
     const std::string dim = dim_c ? dim_c : "";
     try {
-      f(comm(dim));
+      f(comms_->get(dim));
       return TWK_OK;
     } catch (const std::exception& e) {
       const std::string msg =
-          cross_.count(dim) ? fmt::format("{} communicator {} failed on {}:{}: {}",
-                                          std::string_view(op) == "communicator" ? "joining" : op,
-                                          dim, group_, rank_, e.what())
-                            : fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
-                                          dim.empty() ? "" : " (dim " + dim + ")", rank_, e.what());
+          comms_->is_cross(dim)
+              ? fmt::format("{} communicator {} failed on {}:{}: {}",
+                            std::string_view(op) == "communicator" ? "joining" : op, dim, group_,
+                            rank_, e.what())
+              : fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
+                            dim.empty() ? "" : " (dim " + dim + ")", rank_, e.what());
       if (err && err->set_error) err->set_error(err->target, msg.c_str());
       return TWK_ERROR;
     }
@@ -783,14 +690,10 @@ class Worker : public HostOps {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
-  std::string kv_endpoint_;
-  std::string collectives_ = "auto";  // "auto" | "shm" | "gloo" for cpu groups
   std::chrono::milliseconds timeout_{600'000};
-  std::unique_ptr<transport::KvClient> kv_;
-  std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
-  std::map<std::string, Cross> cross_;  // communicators across groups, by name
-  transport::SocketSecurity security_;  // remote workers: the run's keys
-  std::string node_ip_;                 // remote workers: where peers reach this node
+  std::unique_ptr<Communicators> comms_;  // after the welcome
+  transport::SocketSecurity security_;    // remote workers: the run's keys
+  std::string node_ip_;                   // remote workers: where peers reach this node
   // Calls between groups.
   std::unique_ptr<transport::ServeSocket> serve_;  // calls from other workers
   std::unique_ptr<transport::PeerChannel> peers_;  // this worker's connections to the others

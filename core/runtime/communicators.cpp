@@ -1,0 +1,109 @@
+#include "core/runtime/communicators.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "transports/gloo/communicator.hpp"
+#include "transports/nccl/communicator.hpp"
+#include "transports/shm/communicator.hpp"
+#include "twinkle/errors.hpp"
+
+namespace twinkle::core {
+
+Communicators::Communicators(zmq::context_t& context, CommunicatorSetup setup)
+    : context_(context), setup_(std::move(setup)) {}
+
+void Communicators::join(const transport::proto::CommJoin& m) {
+  Cross c;
+  c.rank = m.rank;
+  c.members = m.members;
+  c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(m.timeout_s * 1000));
+  cross_[m.name] = std::move(c);
+}
+
+// A communicator across groups: every member first says it joined, so that one that never does
+// is named (instead of a rendezvous key nobody recognises).
+void Communicators::meet(const std::string& name, const Cross& c, transport::CommConfig& config) {
+  config.name = "cross/" + name;
+  config.rank = c.rank;
+  config.size = static_cast<int>(c.members.size());
+  config.timeout = c.timeout;
+  kv_->set(fmt::format("{}/joined/{}", config.name, c.rank), "1");
+  const auto deadline = std::chrono::steady_clock::now() + c.timeout;
+  std::vector<std::string> missing;
+  for (int r = 0; r < config.size; ++r) {
+    // Past the deadline a member that did join still answers within a round trip.
+    const auto left = std::max(std::chrono::milliseconds(500),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now()));
+    try {
+      kv_->get(fmt::format("{}/joined/{}", config.name, r), left);
+    } catch (const TransportError&) {
+      missing.push_back(fmt::format("rank {} ({})", r, c.members[static_cast<std::size_t>(r)]));
+    }
+  }
+  if (!missing.empty()) {
+    throw TransportError(fmt::format(
+        "communicator {}: {} never joined within {:g} s; every member must make the same "
+        "collective calls on it",
+        name, fmt::join(missing, ", "), static_cast<double>(c.timeout.count()) / 1000.0));
+  }
+}
+
+// The members of a mesh dimension's communicator are the ranks that share every other mesh
+// coordinate; its store keys are named after the group, the dimension and the sub-group's index
+// so that every member finds the same ones.
+transport::Communicator& Communicators::get(const std::string& dim) {
+  if (auto it = comms_.find(dim); it != comms_.end()) return *it->second;
+  const CommunicatorSetup& s = setup_;
+  transport::CommConfig config;
+  config.timeout = s.timeout;
+  if (!s.node_ip.empty()) config.host = s.node_ip;
+  if (!kv_) kv_ = std::make_unique<transport::KvClient>(context_, s.kv_endpoint, s.security);
+  if (auto cross = cross_.find(dim); cross != cross_.end()) {
+    meet(dim, cross->second, config);
+  } else if (dim.empty()) {
+    config.name = fmt::format("{}/all", s.group);
+    config.rank = s.rank;
+    config.size = s.world;
+  } else {
+    if (dim != "ep" && !DeviceMesh::is_known_dim(dim)) {
+      throw ValueError(fmt::format(
+          "no mesh dimension \"{}\" (known: pp, dp, fsdp, cp, tp, ep; this group's mesh "
+          "is {}), nor a communicator across groups that this worker is in",
+          dim, s.mesh.dimensions_text(true)));
+    }
+    const auto groups = s.mesh.groups(dim);
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      auto at = std::find(groups[i].begin(), groups[i].end(), s.rank);
+      if (at == groups[i].end()) continue;
+      config.name = fmt::format("{}/{}/{}", s.group, dim, i);
+      config.rank = static_cast<int>(at - groups[i].begin());
+      config.size = static_cast<int>(groups[i].size());
+    }
+  }
+  std::unique_ptr<transport::Communicator> c;
+  if (s.device == "cuda") {
+    c = transport::create_nccl_communicator(*kv_, config);
+  } else if (s.collectives == "gloo") {
+    c = transport::create_gloo_communicator(*kv_, config);
+  } else {
+    // Every member takes the same branch: they all see the same host ids.
+    const bool local = transport::members_share_host(*kv_, config);
+    if (local) {
+      c = transport::create_shm_communicator(*kv_, config);
+    } else if (s.collectives == "shm") {
+      throw TransportError(fmt::format(
+          "collectives = \"shm\" but the members of {} are on more than one host; use \"auto\" "
+          "or \"gloo\"",
+          config.name));
+    } else {
+      c = transport::create_gloo_communicator(*kv_, config);
+    }
+  }
+  return *comms_.emplace(dim, std::move(c)).first->second;
+}
+
+}  // namespace twinkle::core

@@ -1,0 +1,68 @@
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "core/job/mesh.hpp"
+#include "transports/communicator.hpp"
+#include "transports/zmq/auth.hpp"
+#include "transports/zmq/kv.hpp"
+#include "transports/zmq/protocol.hpp"
+
+// A worker's communicators (docs/ARCHITECTURE.md, Collectives): the group's, one per mesh
+// dimension, and those across groups that the driver declared. Used from the worker's thread.
+namespace twinkle::core {
+
+// Where a worker's communicators meet and what they are made of.
+struct CommunicatorSetup {
+  std::string group;  // its group's name
+  int rank = 0;       // in the group
+  int world = 1;
+  DeviceMesh mesh = DeviceMesh::data_parallel(1);
+  std::string device;       // "cpu" | "cuda"
+  std::string collectives;  // cpu groups: "auto" | "shm" | "gloo"
+  std::chrono::milliseconds timeout{600'000};
+  std::string kv_endpoint;  // the run's rendezvous store
+  transport::SocketSecurity security;
+  std::string node_ip;  // remote workers: the address Gloo binds to ("": loopback)
+};
+
+class Communicators {
+ public:
+  Communicators(zmq::context_t& context, CommunicatorSetup setup);
+
+  // This worker's place in a communicator across groups (the driver's comm_join).
+  void join(const transport::proto::CommJoin& m);
+  // Whether `name` is a communicator across groups that this worker is in.
+  bool is_cross(const std::string& name) const { return cross_.count(name) > 0; }
+
+  // The communicator of `dim` ("" = the group, a mesh dimension, or a communicator across
+  // groups), made on first use. Throws ValueError for a name that is none of them and
+  // TransportError when the members do not meet.
+  transport::Communicator& get(const std::string& dim);
+
+  // Destroys every communicator (shutdown).
+  void clear() { comms_.clear(); }
+
+ private:
+  struct Cross {
+    int rank = 0;
+    std::vector<std::string> members;  // "group:index" by rank
+    std::chrono::milliseconds timeout{0};
+  };
+
+  void meet(const std::string& name, const Cross& c, transport::CommConfig& config);
+
+  zmq::context_t& context_;
+  CommunicatorSetup setup_;
+  std::unique_ptr<transport::KvClient> kv_;
+  std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
+  std::map<std::string, Cross> cross_;  // by name
+};
+
+}  // namespace twinkle::core
