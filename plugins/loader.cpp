@@ -313,30 +313,10 @@ std::vector<NamedFn<Fn>> read_named(const Entry* entries, std::uint32_t n, const
   return out;
 }
 
-}  // namespace
-
-Plugin Plugin::load(const std::filesystem::path& path) { return load_reporting(path, -1); }
-
-Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) {
-  auto report = [report_fd](Stage s) {
-    const char c = static_cast<char>(s);
-    if (report_fd >= 0 && ::write(report_fd, &c, 1) != 1) _exit(kLostParentExit);
-  };
-  check_plugin_file(path);
-  const std::string file = path.string();
-  Plugin p;
-  p.path_ = path;
-  // A path without a slash would make dlopen search the library path instead of this file.
-  const std::string open_path = path.has_parent_path() ? file : "./" + file;
-  report(Stage::opening);
-  p.handle_ = dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!p.handle_) {
-    const char* err = dlerror();
-    throw PluginError(
-        fmt::format("{}: cannot be loaded: {}", file, err ? err : "unknown dlopen error"));
-  }
+// The plugin's entry function: the exported symbol, checked to be a function in its code.
+twk_entry_v1_fn entry_of(void* handle, const std::string& file) {
   dlerror();
-  void* sym = dlsym(p.handle_, TWK_ENTRY_SYMBOL);
+  void* sym = dlsym(handle, TWK_ENTRY_SYMBOL);
   if (!sym) {
     throw PluginError(fmt::format(
         "{}: no symbol {}; add TWINKLE_PLUGIN(\"name\", \"version\") to one source file of the "
@@ -359,10 +339,79 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
     throw PluginError(fmt::format("{}: {} is not in the plugin's code; rebuild the plugin", file,
                                   TWK_ENTRY_SYMBOL));
   }
-  auto entry = reinterpret_cast<twk_entry_v1_fn>(sym);
-  report(Stage::entry);
-  const twk_plugin_v1* t = entry();
-  report(Stage::table);
+  return reinterpret_cast<twk_entry_v1_fn>(sym);
+}
+
+// Method `j` of class `ci` (its execute, for methods that take the class's).
+MethodInfo read_method(const twk_method_v1& m, std::uint32_t j, const ClassInfo& ci,
+                       const std::string& file) {
+  const std::string cw = fmt::format("{}: class {}", file, ci.name);
+  if (m.size < kMinMethod) {
+    throw PluginError(
+        fmt::format("{}: method {} table is {} bytes, smaller than {}", cw, j, m.size, kMinMethod));
+  }
+  MethodInfo mi;
+  mi.name = name_or_fail(m.name, fmt::format("{}: method {}", cw, j));
+  const std::string mw = fmt::format("{}: class {} method {}", file, ci.name, mi.name);
+  mi.dispatch = to_dispatch(m.dispatch, mw);
+  mi.execute_from_class = m.execute == TWK_EXECUTE_CLASS;
+  mi.execute = mi.execute_from_class ? ci.execute : to_execute(m.execute, mw, true);
+  mi.collect = to_collect(m.collect, mw);
+  if (!(m.timeout_s >= 0 && m.timeout_s <= kMaxMethodTimeoutS)) {
+    throw PluginError(fmt::format("{}: timeout {} must be between 0 and {:g} seconds", mw,
+                                  m.timeout_s, kMaxMethodTimeoutS));
+  }
+  mi.timeout_s = m.timeout_s;
+  if (mi.dispatch == Dispatch::custom) {
+    if (!m.custom_dispatch)
+      throw PluginError(fmt::format("{}: custom dispatch names no function", mw));
+    mi.custom_dispatch = name_or_fail(m.custom_dispatch, mw + ": custom dispatch");
+  }
+  if (mi.collect == Collect::custom) {
+    if (!m.custom_collect)
+      throw PluginError(fmt::format("{}: custom collect names no function", mw));
+    mi.custom_collect = name_or_fail(m.custom_collect, mw + ": custom collect");
+  }
+  if (!m.invoke) throw PluginError(fmt::format("{} has no invoke function", mw));
+  mi.invoke = code_or_fail(m.invoke, mw + " invoke function");
+  return mi;
+}
+
+// Class `i` of the table with its methods.
+ClassInfo read_class(const twk_class_v1& c, std::uint32_t i, const std::string& file) {
+  if (c.size < kMinClass) {
+    throw PluginError(
+        fmt::format("{}: class {} table is {} bytes, smaller than {}", file, i, c.size, kMinClass));
+  }
+  ClassInfo ci;
+  ci.name = name_or_fail(c.name, fmt::format("{}: class {}", file, i));
+  const std::string cw = fmt::format("{}: class {}", file, ci.name);
+  ci.execute = to_execute(c.execute, cw, false);
+  if (!c.construct || !c.destruct) {
+    throw PluginError(
+        fmt::format("{} has no constructor or destructor; declare it with TWINKLE_CLASS", cw));
+  }
+  ci.construct = code_or_fail(c.construct, cw + " constructor");
+  ci.destruct = code_or_fail(c.destruct, cw + " destructor");
+  check_count(c.n_methods, cw + " lists methods:");
+  if (c.n_methods && !c.methods)
+    throw PluginError(fmt::format("{} lists methods but no array", cw));
+  std::set<std::string> method_names;
+  for (std::uint32_t j = 0; j < c.n_methods; ++j) {
+    MethodInfo mi = read_method(c.methods[j], j, ci, file);
+    if (!method_names.insert(mi.name).second) {
+      throw PluginError(
+          fmt::format("{}: class {} method {} is declared twice; give each method of a class a "
+                      "unique name",
+                      file, ci.name, mi.name));
+    }
+    ci.methods.push_back(std::move(mi));
+  }
+  return ci;
+}
+
+// The table's header: a known ABI version and a size that covers what that version requires.
+void check_header(const twk_plugin_v1* t, const std::string& file) {
   if (!t) throw PluginError(fmt::format("{}: {}() returned no table", file, TWK_ENTRY_SYMBOL));
   if (t->abi_version != TWK_ABI_VERSION) {
     throw PluginError(
@@ -377,6 +426,35 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
                     "table is corrupt or was built by a broken SDK",
                     file, t->size, kMinPluginTable, TWK_ABI_VERSION));
   }
+}
+
+}  // namespace
+
+Plugin Plugin::load(const std::filesystem::path& path) { return load_reporting(path, -1); }
+
+Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) {
+  auto report = [report_fd](Stage s) {
+    const char c = static_cast<char>(s);
+    if (report_fd >= 0 && ::write(report_fd, &c, 1) != 1) _exit(kLostParentExit);
+  };
+  check_plugin_file(path);
+  const std::string file = path.string();
+  Plugin p;
+  p.path_ = path;
+  // A path without a slash would make dlopen search the library path instead of this file.
+  const std::string open_path = path.has_parent_path() ? file : "./" + file;
+  report(Stage::opening);
+  p.handle_ = dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!p.handle_) {
+    const char* err = dlerror();
+    throw PluginError(
+        fmt::format("{}: cannot be loaded: {}", file, err ? err : "unknown dlopen error"));
+  }
+  const twk_entry_v1_fn entry = entry_of(p.handle_, file);
+  report(Stage::entry);
+  const twk_plugin_v1* t = entry();
+  report(Stage::table);
+  check_header(t, file);
   p.abi_version_ = t->abi_version;
   p.name_ = name_or_fail(t->name, fmt::format("{}: the plugin", file));
   p.version_ = t->version ? std::string(t->version, strnlen(t->version, kMaxNameBytes)) : "";
@@ -386,63 +464,10 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
     throw PluginError(fmt::format("{}: the table lists classes but no array", file));
   std::set<std::string> class_names;
   for (std::uint32_t i = 0; i < t->n_classes; ++i) {
-    const twk_class_v1& c = t->classes[i];
-    if (c.size < kMinClass) {
-      throw PluginError(fmt::format("{}: class {} table is {} bytes, smaller than {}", file, i,
-                                    c.size, kMinClass));
-    }
-    ClassInfo ci;
-    ci.name = name_or_fail(c.name, fmt::format("{}: class {}", file, i));
-    const std::string cw = fmt::format("{}: class {}", file, ci.name);
+    ClassInfo ci = read_class(t->classes[i], i, file);
     if (!class_names.insert(ci.name).second) {
-      throw PluginError(fmt::format("{} is declared twice; give each class a unique name", cw));
-    }
-    ci.execute = to_execute(c.execute, cw, false);
-    if (!c.construct || !c.destruct) {
-      throw PluginError(
-          fmt::format("{} has no constructor or destructor; declare it with TWINKLE_CLASS", cw));
-    }
-    ci.construct = code_or_fail(c.construct, cw + " constructor");
-    ci.destruct = code_or_fail(c.destruct, cw + " destructor");
-    check_count(c.n_methods, cw + " lists methods:");
-    if (c.n_methods && !c.methods)
-      throw PluginError(fmt::format("{} lists methods but no array", cw));
-    std::set<std::string> method_names;
-    for (std::uint32_t j = 0; j < c.n_methods; ++j) {
-      const twk_method_v1& m = c.methods[j];
-      if (m.size < kMinMethod) {
-        throw PluginError(fmt::format("{}: method {} table is {} bytes, smaller than {}", cw, j,
-                                      m.size, kMinMethod));
-      }
-      MethodInfo mi;
-      mi.name = name_or_fail(m.name, fmt::format("{}: method {}", cw, j));
-      const std::string mw = fmt::format("{}: class {} method {}", file, ci.name, mi.name);
-      if (!method_names.insert(mi.name).second) {
-        throw PluginError(
-            fmt::format("{} is declared twice; give each method of a class a unique name", mw));
-      }
-      mi.dispatch = to_dispatch(m.dispatch, mw);
-      mi.execute_from_class = m.execute == TWK_EXECUTE_CLASS;
-      mi.execute = mi.execute_from_class ? ci.execute : to_execute(m.execute, mw, true);
-      mi.collect = to_collect(m.collect, mw);
-      if (!(m.timeout_s >= 0 && m.timeout_s <= kMaxMethodTimeoutS)) {
-        throw PluginError(fmt::format("{}: timeout {} must be between 0 and {:g} seconds", mw,
-                                      m.timeout_s, kMaxMethodTimeoutS));
-      }
-      mi.timeout_s = m.timeout_s;
-      if (mi.dispatch == Dispatch::custom) {
-        if (!m.custom_dispatch)
-          throw PluginError(fmt::format("{}: custom dispatch names no function", mw));
-        mi.custom_dispatch = name_or_fail(m.custom_dispatch, mw + ": custom dispatch");
-      }
-      if (mi.collect == Collect::custom) {
-        if (!m.custom_collect)
-          throw PluginError(fmt::format("{}: custom collect names no function", mw));
-        mi.custom_collect = name_or_fail(m.custom_collect, mw + ": custom collect");
-      }
-      if (!m.invoke) throw PluginError(fmt::format("{} has no invoke function", mw));
-      mi.invoke = code_or_fail(m.invoke, mw + " invoke function");
-      ci.methods.push_back(std::move(mi));
+      throw PluginError(fmt::format("{}: class {} is declared twice; give each class a unique name",
+                                    file, ci.name));
     }
     p.classes_.push_back(std::move(ci));
   }
@@ -454,15 +479,21 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
   if (has_field<std::uint32_t>(t->size, offsetof(twk_plugin_v1, n_collectors))) {
     p.collectors_ = read_named<twk_collect_fn>(t->collectors, t->n_collectors, file, "collector");
   }
-  for (const auto& c : p.classes_) {
+  p.check_custom_functions();
+  return p;
+}
+
+void Plugin::check_custom_functions() const {
+  const std::string file = path_.string();
+  for (const auto& c : classes_) {
     for (const auto& m : c.methods) {
-      if (!m.custom_dispatch.empty() && !p.find_dispatcher(m.custom_dispatch)) {
+      if (!m.custom_dispatch.empty() && !find_dispatcher(m.custom_dispatch)) {
         throw PluginError(fmt::format(
             "{}: class {} method {}: custom dispatch \"{}\" is not registered; declare it "
             "with TWINKLE_DISPATCHER",
             file, c.name, m.name, m.custom_dispatch));
       }
-      if (!m.custom_collect.empty() && !p.find_collector(m.custom_collect)) {
+      if (!m.custom_collect.empty() && !find_collector(m.custom_collect)) {
         throw PluginError(fmt::format(
             "{}: class {} method {}: custom collect \"{}\" is not registered; declare it "
             "with TWINKLE_COLLECTOR",
@@ -470,7 +501,6 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
       }
     }
   }
-  return p;
 }
 
 namespace {

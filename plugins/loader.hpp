@@ -106,6 +106,8 @@ class Plugin {
   // What a load is doing, reported by the load-check child before each step.
   enum class Stage : char { opening = 'o', entry = 'e', table = 't' };
   static Plugin load_reporting(const std::filesystem::path& path, int report_fd);
+  // Every custom dispatch and collect a method names is registered (PluginError otherwise).
+  void check_custom_functions() const;
 
   void* handle_ = nullptr;
   std::filesystem::path path_;

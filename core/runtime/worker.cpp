@@ -20,6 +20,7 @@
 #include <zmq.hpp>
 
 #include "core/job/values.hpp"
+#include "core/runtime/call_chain.hpp"
 #include "core/runtime/call_table.hpp"
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/host_abi.hpp"
@@ -258,13 +259,13 @@ class Worker : public HostOps {
                        const twk_value_v1& args) override {
     const plugins::ClassInfo& cls = known_class(cls_name, "create");
     const std::size_t gi = known_group(group, "create " + std::string(cls_name));
-    return table_->create(cls, gi, peers_->adopt(args), PeerCaller{rank_, world_}, chain_);
+    return table_->create(cls, gi, peers_->adopt(args), PeerCaller{rank_, world_}, calls_->chain());
   }
 
   std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
                      const std::string& caller) override {
     return table_->call(instance, method, peers_->adopt(args), caller, PeerCaller{rank_, world_},
-                        chain_);
+                        calls_->chain());
   }
 
   EncodedValue wait(std::uint64_t future) override { return table_->wait(future); }
@@ -346,7 +347,7 @@ class Worker : public HostOps {
                                                       std::move(endpoints), client);
     peers_->watch(link_->socket(), [this] { on_link_ready(); });
     peers_->watch(serve_->socket(), [this] { on_serve_ready(); });
-    peers_->every(kProbeInterval, [this] { send_probes(); });
+    peers_->every(kProbeInterval, [this] { calls_->send_probes(); });
     CustomFunctions custom{[this](std::string_view n) { return plugin_.find_dispatcher(n); },
                            [this](std::string_view n) { return plugin_.find_collector(n); }};
     const double timeout_s = std::chrono::duration<double>(timeout_).count();
@@ -354,6 +355,20 @@ class Worker : public HostOps {
                                          std::move(custom), timeout_s,
                                          static_cast<std::uint64_t>(self_ + 1) << 40);
     table_->set_caller_label("worker caller");
+    calls_ = std::make_unique<CallChain>(
+        name_, CallChain::Peers{[this] { return table_->waiting_peers(); },
+                                [this](const std::string& n) { return peer_index(n); },
+                                [this](std::size_t p, const proto::Probe& probe) {
+                                  try {
+                                    peers_->send(p, Message{0, probe});
+                                  } catch (const TransportError&) {
+                                    // That worker is gone: the driver tells everyone.
+                                  }
+                                },
+                                [this](std::size_t p, const std::string& error) {
+                                  table_->fail_waiting(p, error);
+                                  peers_->wake();  // the waiting call sees its error now
+                                }});
   }
 
   // For the parent-death handler: the local workers' socket files in this run's folder.
@@ -417,7 +432,7 @@ class Worker : public HostOps {
         continue;
       }
       if (auto* probe = m.get<proto::Probe>()) {
-        on_probe(*probe);
+        calls_->on_probe(*probe);
         continue;
       }
       if (!m.get<proto::Create>() && !m.get<proto::Call>()) {
@@ -425,8 +440,8 @@ class Worker : public HostOps {
                                       transport::to_string(m.type()), r->from));
         continue;
       }
-      if (busy_) {
-        if (auto cycle = find_cycle(*r)) {
+      {
+        if (auto cycle = calls_->find_cycle(chain_of(m), r->from, request_what(m), caller_of(m))) {
           if (m.get<proto::Create>()) {
             serve_->reply(r->from, Message{m.id, proto::Created{*cycle}});
           } else {
@@ -444,54 +459,6 @@ class Worker : public HostOps {
       if (table_->workers()[i].name == name) return i;
     }
     return std::nullopt;
-  }
-
-  std::string current_frame() const { return chain_.empty() ? name_ : frame_text(chain_.back()); }
-
-  // Cycles through several workers (each waits on the next, the last on the first) are found by
-  // probes (edge chasing): a worker that waits sends one along each call it waits for; a worker
-  // that gets one while it waits itself passes it on along its own; a probe that comes back to
-  // the worker that sent it, while it still waits in the same call, is a cycle.
-  void send_probes() {
-    if (!busy_) return;
-    const auto waits = table_->waiting_peers();
-    if (waits.empty()) return;
-    forward(proto::Probe{name_, token_, {name_}, {current_frame()}}, waits);
-  }
-
-  void forward(const proto::Probe& probe, const std::vector<std::size_t>& to) {
-    for (std::size_t p : to) {
-      try {
-        peers_->send(p, Message{0, probe});
-      } catch (const TransportError&) {
-        // That worker is gone: the driver tells everyone.
-      }
-    }
-  }
-
-  void on_probe(proto::Probe& probe) {
-    if (!busy_) return;
-    if (probe.origin == name_) {
-      if (probe.token != token_ || probe.nodes.size() < 2) return;
-      const auto first = peer_index(probe.nodes[1]);
-      if (!first) return;
-      table_->fail_waiting(
-          *first,
-          fmt::format("deadlock: a cycle of calls that wait on each other: {} -> {}; a worker "
-                      "runs one call at a time, so none of them could finish. Return what the "
-                      "caller needs instead of calling back",
-                      fmt::join(probe.path, " -> "), name_));
-      peers_->wake();  // the waiting call sees its error now
-      return;
-    }
-    for (const auto& n : probe.nodes) {
-      if (n == name_) return;  // a cycle that the others report
-    }
-    const auto waits = table_->waiting_peers();
-    if (waits.empty()) return;
-    probe.nodes.push_back(name_);
-    probe.path.push_back(current_frame());
-    forward(probe, waits);
   }
 
   // "Trainer.step" for a request (the class from this worker's instances when it has it).
@@ -515,41 +482,6 @@ class Worker : public HostOps {
   static std::string caller_of(const Message& m) {
     if (const auto* c = m.get<proto::Call>()) return c->caller;
     return "";
-  }
-
-  // "trainer:0 Trainer.step (called at train.cpp:12)"
-  static std::string frame_text(const proto::ChainLink& f) {
-    return fmt::format("{} {}{}", f.worker, f.what,
-                       f.caller.empty() ? "" : " (called at " + f.caller + ")");
-  }
-
-  // The cycle that running request `r` after the current call would close, as an error; nullopt
-  // when there is none (the request waits its turn).
-  std::optional<std::string> find_cycle(const transport::ServeSocket::Request& r) const {
-    const Message& m = r.message;
-    const std::string caller = caller_of(m);
-    const std::string asked = fmt::format("{} {}{}", name_, request_what(m),
-                                          caller.empty() ? "" : " (called at " + caller + ")");
-    const Chain& chain = chain_of(m);
-    const std::string now = current_frame();
-    std::vector<std::string> path;
-    bool through_me = false;
-    for (const auto& f : chain) {
-      if (!through_me && f.worker == name_ && f.token == token_) through_me = true;
-      if (through_me) path.push_back(frame_text(f));
-    }
-    if (!through_me) {
-      // Not nested in this worker's call, but from a worker that this call waits for.
-      const auto from = peer_index(r.from);
-      const auto waits = table_->waiting_peers();  // the call in wait(), if any
-      if (!from || std::find(waits.begin(), waits.end(), *from) == waits.end()) return std::nullopt;
-      path = {now, chain.empty() ? r.from : frame_text(chain.back())};
-    }
-    path.push_back(asked);
-    return fmt::format(
-        "deadlock: a cycle of calls: {}; {} runs one call at a time and is still in {}, so this "
-        "call could never start. Return what the caller needs instead of calling back",
-        fmt::join(path, " -> "), name_, now);
   }
 
   // Runs one queued message; false after a shutdown.
@@ -576,20 +508,11 @@ class Worker : public HostOps {
     return true;
   }
 
-  // Runs `f` as this worker's current call: its link ends the chain that its calls to other
-  // groups carry, so that a call back into it is recognised as a cycle.
+  // Runs `f` as this worker's current call (the chain its calls to other groups carry, so that a
+  // call back into it is recognised as a cycle).
   template <class F>
   void execute(const Message& m, const std::string& from, F&& f) {
-    Chain chain = chain_of(m);
-    if (from.empty()) chain = {proto::ChainLink{"driver", 0, "entry", caller_of(m)}};
-    token_ = ++tokens_;
-    chain.push_back(
-        proto::ChainLink{name_, token_, request_what(m), from.empty() ? "" : caller_of(m)});
-    chain_ = std::move(chain);
-    busy_ = true;
-    f();
-    busy_ = false;
-    chain_.clear();
+    calls_->run(chain_of(m), from.empty(), request_what(m), caller_of(m), std::forward<F>(f));
   }
 
   static DType checked_dtype(std::int32_t d) {
@@ -700,9 +623,7 @@ class Worker : public HostOps {
   std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
   std::size_t self_ = 0;                           // this worker's index in the run
   std::deque<Pending> queue_;                      // what waits its turn
-  bool busy_ = false;                              // in a call (or a constructor)
-  std::uint64_t tokens_ = 0, token_ = 0;           // the current call's number
-  Chain chain_;                                    // the current call's chain of calls
+  std::unique_ptr<CallChain> calls_;               // what runs now, and the cycle checks
   transport::DropLog link_drops_{"the worker's link to its driver"};
   transport::DropLog serve_drops_{"the socket for calls from other workers"};
 };
