@@ -1,4 +1,5 @@
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -90,7 +91,9 @@ std::string first_interface_address() {
 // that the log says why by the time the parent exits: a failing holder releases it, not closes it.
 Fd daemonize(const NodeStartOptions& o) {
   int fds[2];
-  if (pipe(fds) != 0) throw Error("cannot create a pipe to start the daemon");
+  // Close-on-exec: a worker or srun that the daemon starts before it is ready must not hold the
+  // write end, or the parent would wait for it instead of the daemon.
+  if (pipe2(fds, O_CLOEXEC) != 0) throw Error("cannot create a pipe to start the daemon");
   Fd from_daemon(fds[0]);
   Fd ready(fds[1]);
   const pid_t pid = fork();

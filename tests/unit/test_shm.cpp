@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstring>
 
 #include "transports/fd.hpp"
@@ -97,4 +98,32 @@ TEST_CASE("the pool reuses a segment only after every peer released it", "[shm]"
   Tensor reused = pool.tensor(DType::f32, {1 << 20});
   CHECK(reused.data() == first_data);
   CHECK(pool.segments() == 2);
+}
+
+TEST_CASE("a message naming a descriptor that was never sent is refused at once", "[shm]") {
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
+  // Encoded on a channel whose descriptor packets the receiver never sees (a forged entry).
+  FdPair other = FdPair::seqpacket("another channel");
+  ShmChannel elsewhere(std::move(other.first));
+  Frames frames = encode_message(value_message(1, Value(pattern(2 << 20))), &elsewhere);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(decode_message(std::move(frames), &b),
+                    "malformed message: tensor 0: shared-memory tensor 1 was never sent on this "
+                    "channel");
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+  // The channel still works for what is sent on it.
+  Tensor t = pattern(3 << 20);
+  Message m = decode_message(encode_message(value_message(2, Value(t)), &a), &b);
+  CHECK(value_of(m).tensor().equals(t));
+}
+
+TEST_CASE("a shared-memory tensor larger than its segment is refused, never mapped", "[shm]") {
+  FdPair p = FdPair::seqpacket("the test channel");
+  ShmChannel a(std::move(p.first)), b(std::move(p.second));
+  Tensor small = shm_tensor(DType::u8, {4096});
+  const std::uint64_t token = a.send(small.shm_fd());
+  CHECK_THROWS_WITH(b.map(b.receive(token), 0, std::size_t{1} << 20, 0),
+                    "a shared-memory tensor of 1048576 bytes at offset 0 does not fit its segment "
+                    "of 4096 bytes");
 }

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -46,6 +47,15 @@ std::unique_ptr<ShmSegment> ShmSegment::create(std::size_t bytes) {
 }
 
 std::unique_ptr<ShmSegment> ShmSegment::map(Fd fd, std::size_t offset, std::size_t bytes) {
+  // A mapping past the file's end would fault (SIGBUS) on first access, not fail here.
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw TransportError(os_error("checking a received tensor"));
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (offset > size || bytes > size - offset) {
+    throw TransportError(fmt::format(
+        "a shared-memory tensor of {} bytes at offset {} does not fit its segment of {} bytes",
+        bytes, offset, size));
+  }
   std::unique_ptr<ShmSegment> s(new ShmSegment);
   s->fd_ = std::move(fd);
   const std::size_t start = offset / page_size() * page_size();
@@ -226,8 +236,14 @@ Fd ShmChannel::receive(std::uint64_t token) {
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof control;
-    ssize_t n = recvmsg(socket_.get(), &msg, MSG_CMSG_CLOEXEC);
+    // Never waits: the sender passes a descriptor before it sends the message that names it, so
+    // a token with nothing queued for it was never sent (a forged or corrupt message).
+    ssize_t n = recvmsg(socket_.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      throw TransportError(
+          fmt::format("shared-memory tensor {} was never sent on this channel", token));
+    }
     if (n <= 0)
       throw TransportError(n == 0 ? "the peer closed the shared-memory channel"
                                   : os_error("receiving a shared-memory tensor"));

@@ -214,8 +214,12 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
       const auto token = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[2], "token", i));
       const auto at = static_cast<std::size_t>(checked_int(d.via.array.ptr[3], "offset", i));
       const auto pool = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[4], "pool id", i));
-      Fd fd = channel->receive(token);
-      auto seg = channel->map(std::move(fd), at, nbytes, pool);
+      std::shared_ptr<ShmSegment> seg;
+      try {
+        seg = channel->map(channel->receive(token), at, nbytes, pool);
+      } catch (const TransportError& e) {
+        throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
+      }
       u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
       continue;
     }
