@@ -374,10 +374,10 @@ EncodedValue CallTable::wait(std::uint64_t future) {
 }
 
 EncodedValue CallTable::collect(Call& c, const std::string& prefix) {
-  if (c.results.size() == 1 &&
-      (c.method->collect == Collect::first || c.method->collect == Collect::none))
+  // One result that is returned whole goes back as the worker sent it.
+  if (!c.results.empty() && (c.method->collect == Collect::first ||
+                             (c.method->collect == Collect::none && c.results.size() == 1)))
     return std::move(*c.results[0]);
-  if (c.method->collect == Collect::first && !c.results.empty()) return std::move(*c.results[0]);
   std::vector<Value> results;
   results.reserve(c.results.size());
   for (std::size_t i = 0; i < c.results.size(); ++i) {

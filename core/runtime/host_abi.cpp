@@ -1,6 +1,5 @@
 #include "core/runtime/host_abi.hpp"
 
-#include "transports/shm/segment.hpp"
 #include "twinkle/errors.hpp"
 
 #include <cstdio>
@@ -24,7 +23,7 @@ twk_sink_v1 EncodedSinkCapture::sink() {
   return {this,
           [](void* t, const twk_value_v1* v) {
             auto* self = static_cast<EncodedSinkCapture*>(t);
-            self->value = self->adopt ? self->adopt(*v) : transport::adopt_copy(*v);
+            self->value = self->adopt ? self->adopt(*v) : copy_encoded(*v);
           },
           [](void* t, const char* m) { static_cast<EncodedSinkCapture*>(t)->error = m ? m : ""; }};
 }

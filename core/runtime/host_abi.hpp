@@ -25,7 +25,7 @@ struct SinkCapture {
 };
 
 // The same for a value that is passed on without being decoded (a worker's reply): `adopt` copies
-// it out of the plugin's memory, by default with adopt_copy.
+// it out of the plugin's memory, by default with copy_encoded.
 struct EncodedSinkCapture {
   std::optional<EncodedValue> value;
   std::optional<std::string> error;

@@ -414,8 +414,8 @@ class Worker : public HostOps {
       } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>()) {
         queue_.push_back(Pending{"", std::move(*m)});
       } else {
-        link_drops_.drop(fmt::format("a {} message from the driver is not for a worker",
-                                     transport::to_string(m->type())));
+        link_->drop(fmt::format("a {} message from the driver is not for a worker",
+                                transport::to_string(m->type())));
       }
     }
   }
@@ -427,8 +427,8 @@ class Worker : public HostOps {
       Message& m = r->message;
       if (!peer_index(r->from)) {
         // Not a worker of this run (it cannot be one: they all are in the address book).
-        serve_drops_.drop(fmt::format("a {} message from \"{}\", not a worker of this run",
-                                      transport::to_string(m.type()), r->from.substr(0, 64)));
+        serve_->drop(fmt::format("a {} message from \"{}\", not a worker of this run",
+                                 transport::to_string(m.type()), r->from.substr(0, 64)));
         continue;
       }
       if (auto* probe = m.get<proto::Probe>()) {
@@ -436,8 +436,8 @@ class Worker : public HostOps {
         continue;
       }
       if (!m.get<proto::Create>() && !m.get<proto::Call>()) {
-        serve_drops_.drop(fmt::format("a {} message from worker {} is not a call",
-                                      transport::to_string(m.type()), r->from));
+        serve_->drop(fmt::format("a {} message from worker {} is not a call",
+                                 transport::to_string(m.type()), r->from));
         continue;
       }
       {
@@ -624,8 +624,6 @@ class Worker : public HostOps {
   std::size_t self_ = 0;                           // this worker's index in the run
   std::deque<Pending> queue_;                      // what waits its turn
   std::unique_ptr<CallChain> calls_;               // what runs now, and the cycle checks
-  transport::DropLog link_drops_{"the worker's link to its driver"};
-  transport::DropLog serve_drops_{"the socket for calls from other workers"};
 };
 
 }  // namespace

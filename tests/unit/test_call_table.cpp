@@ -87,7 +87,7 @@ class FakeChannel : public transport::CallChannel {
     push(std::move(e));
   }
   std::uint64_t dropped() const override { return 0; }
-  EncodedValue adopt(const twk_value_v1& v) override { return transport::adopt_copy(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
 
   // A message from `peer`, as the channel would deliver it.
   void deliver(std::size_t peer, std::uint64_t id, proto::Control body) {

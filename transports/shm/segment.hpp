@@ -94,9 +94,7 @@ Value decode_to_shm(const twk_value_v1& v, ShmPool* pool = nullptr);
 // The same without decoding: the value's msgpack bytes copied as they are, its tensors as
 // decode_to_shm puts them. What is malformed in it is found by whoever decodes it.
 EncodedValue adopt_to_shm(const twk_value_v1& v, ShmPool* pool = nullptr);
-// A value received across the plugin ABI, copied out of the plugin's memory (tensors shared
-// without a copy when the sender offers retain/release), not decoded.
-inline EncodedValue adopt_copy(const twk_value_v1& v) { return copy_encoded(v); }
+// (A value copied out of the plugin's memory without shared memory is the SDK's copy_encoded.)
 
 // One end of a process pair's descriptor channel (a SOCK_SEQPACKET socketpair). Each send passes
 // one descriptor with an increasing token; receive(token) returns the descriptor sent with it,

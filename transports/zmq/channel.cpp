@@ -58,9 +58,10 @@ class LocalWorkerLink : public WorkerLink {
     return recv_decoded(socket_, timeout, shm_.get(), drops_);
   }
   EncodedValue adopt(const twk_value_v1& v) override {
-    return shm_ ? adopt_to_shm(v) : adopt_copy(v);
+    return shm_ ? adopt_to_shm(v) : copy_encoded(v);
   }
   zmq::socket_ref socket() override { return socket_; }
+  void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
   zmq::socket_t socket_;
@@ -100,8 +101,9 @@ class TcpWorkerLink : public WorkerLink {
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
     return recv_decoded(socket_, timeout, nullptr, drops_);
   }
-  EncodedValue adopt(const twk_value_v1& v) override { return adopt_copy(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
   zmq::socket_ref socket() override { return socket_; }
+  void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
   zmq::socket_t socket_;

@@ -111,6 +111,8 @@ class WorkerLink {
   virtual std::optional<Message> recv(std::chrono::milliseconds timeout) = 0;
   // A value the plugin handed over, in the form this channel sends best (CallChannel::adopt).
   virtual EncodedValue adopt(const twk_value_v1& v) = 0;
+  // A message that decoded but that the worker does not take: dropped, into the link's DropLog.
+  virtual void drop(const std::string& why) = 0;
   // The socket to poll beside others (a worker also serves calls from other workers).
   virtual zmq::socket_ref socket() = 0;
 };
@@ -176,7 +178,7 @@ class TcpDriverChannel : public RouterDriverChannel {
  public:
   TcpDriverChannel(zmq::context_t& context, const std::string& host,
                    std::vector<std::string> identities, const SocketSecurity& security);
-  EncodedValue adopt(const twk_value_v1& v) override { return adopt_copy(v); }
+  EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
 
  private:
   ShmChannel* shm_of(std::size_t) override { return nullptr; }

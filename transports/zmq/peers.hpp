@@ -48,6 +48,9 @@ class ServeSocket {
   // decode is dropped (DropLog; nothing else of the run is affected).
   std::optional<Request> recv(std::chrono::milliseconds timeout);
   void reply(const std::string& to, const Message& m);
+  // A request that decoded but that the worker does not take: dropped, into this socket's
+  // DropLog.
+  void drop(const std::string& why) { drops_.drop(why); }
   // Where large results for callers go (segments come back when the callers let go of them).
   ShmPool* pool() { return &pool_; }
 

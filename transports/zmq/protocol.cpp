@@ -420,8 +420,6 @@ Value as_value(const S& s) {
 // ----- descriptions -------------------------------------------------------------------------
 
 template <class T>
-std::string type_name();
-template <class T>
 std::string type_name() {
   if constexpr (std::is_same_v<T, std::string>)
     return "str";
