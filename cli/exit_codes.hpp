@@ -12,6 +12,9 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitJobFailed = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitPlugin = 3;
+// Stopped on request (SIGTERM, SIGUSR1) after the driver entry returned: `twinkle run --resume`
+// continues. EX_TEMPFAIL, which batch systems read as "try again".
+inline constexpr int kExitStopped = 75;
 inline constexpr int kExitInterrupted = 130;  // Ctrl-C; other signals 128 + the signal
 
 // What `twinkle` exits with when `e` reaches main: a bad job file or flag is a usage error, a

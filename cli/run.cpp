@@ -26,6 +26,7 @@ struct RunCliOptions {
   std::string log_dir;
   bool quiet = false;
   bool ascii = false;
+  bool resume = false;
   ClusterFlags cluster;
   std::string launcher;
 };
@@ -39,6 +40,7 @@ int run_run(const RunCliOptions& o) {
   if (!o.log_dir.empty()) r.log_dir = o.log_dir;
   r.quiet = o.quiet;
   r.ascii = o.ascii;
+  r.resume = o.resume;
   r.connect = [cluster = o.cluster](const core::Job& job) -> std::unique_ptr<core::RemoteSite> {
     if (job.launcher == "slurm") {
       return core::cluster::start_slurm_site(core::cluster::slurm_allocation(),
@@ -59,6 +61,7 @@ int run_run(const RunCliOptions& o) {
     case core::RunResult::Outcome::failed: return kExitJobFailed;
     case core::RunResult::Outcome::interrupted:
       return result.signal == SIGINT ? kExitInterrupted : 128 + result.signal;
+    case core::RunResult::Outcome::stopped: return kExitStopped;
   }
   return kExitJobFailed;
 }
@@ -79,6 +82,8 @@ void setup_run(CLI::App& app, Action& action) {
   sub->add_option("--log-dir", o->log_dir, "Also keep each worker's output in DIR/GROUP-RANK.log");
   sub->add_flag("--quiet", o->quiet, "Show only the driver's output, not the workers'");
   sub->add_flag("--ascii", o->ascii, "Draw the topology with plain ASCII");
+  sub->add_flag("--resume", o->resume,
+                "Start from the newest complete checkpoint in job.checkpoint_dir");
   add_cluster_flags(sub, o->cluster);
   sub->add_option("--launcher", o->launcher,
                   "slurm: run inside a Slurm allocation, one node agent per node (srun); same "

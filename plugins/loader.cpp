@@ -42,6 +42,9 @@ constexpr int kLostParentExit = 125;
 constexpr std::size_t kMinPluginTable = offsetof(twk_plugin_v1, n_drivers) + sizeof(std::uint32_t);
 constexpr std::size_t kMinMethod = offsetof(twk_method_v1, invoke) + sizeof(twk_invoke_fn);
 constexpr std::size_t kMinClass = offsetof(twk_class_v1, n_methods) + sizeof(std::uint32_t);
+// A table entry larger than this is no table this ABI describes (entries grow a few fields at a
+// time); the stride of an array is its entries' own size, so it must be believable.
+constexpr std::uint32_t kMaxEntrySize = 1024;
 
 #if defined(__x86_64__)
 constexpr int kHostMachine = EM_X86_64;
@@ -342,6 +345,28 @@ twk_entry_v1_fn entry_of(void* handle, const std::string& file) {
   return reinterpret_cast<twk_entry_v1_fn>(sym);
 }
 
+// Entry `i` of an array of tables whose stride is the size the plugin was built with (tables
+// grow at their end, so a plugin built with an older or newer SDK has entries of another size
+// than this twinkle's struct). No entry may claim more than that stride (its fields would reach
+// into the next); one that claims too little for a table is refused by its reader.
+template <class T>
+const T& entry_at(const T* array, std::uint32_t i, const std::string& what) {
+  const std::uint32_t stride = array[0].size;
+  if (stride < sizeof(std::uint32_t) || stride > kMaxEntrySize) {
+    throw PluginError(fmt::format("{} table is {} bytes; that is no table of this ABI (rebuild the "
+                                  "plugin against this twinkle's SDK)",
+                                  what, stride));
+  }
+  const T& e = *reinterpret_cast<const T*>(reinterpret_cast<const char*>(array) +
+                                           std::size_t{stride} * i);
+  if (e.size > stride) {
+    throw PluginError(fmt::format("{} {} table is {} bytes, the first one {}; the entries of one "
+                                  "array have one size",
+                                  what, i, e.size, stride));
+  }
+  return e;
+}
+
 // Method `j` of class `ci` (its execute, for methods that take the class's).
 MethodInfo read_method(const twk_method_v1& m, std::uint32_t j, const ClassInfo& ci,
                        const std::string& file) {
@@ -396,9 +421,19 @@ ClassInfo read_class(const twk_class_v1& c, std::uint32_t i, const std::string& 
   check_count(c.n_methods, cw + " lists methods:");
   if (c.n_methods && !c.methods)
     throw PluginError(fmt::format("{} lists methods but no array", cw));
+  if (has_field<twk_load_fn>(c.size, offsetof(twk_class_v1, load)) && (c.save || c.load)) {
+    if (!c.save || !c.load) {
+      throw PluginError(fmt::format(
+          "{} has a save function but no load function, or the reverse; declare both with "
+          "TWINKLE_STATE",
+          cw));
+    }
+    ci.save = code_or_fail(c.save, cw + " save function");
+    ci.load = code_or_fail(c.load, cw + " load function");
+  }
   std::set<std::string> method_names;
   for (std::uint32_t j = 0; j < c.n_methods; ++j) {
-    MethodInfo mi = read_method(c.methods[j], j, ci, file);
+    MethodInfo mi = read_method(entry_at(c.methods, j, cw + " method"), j, ci, file);
     if (!method_names.insert(mi.name).second) {
       throw PluginError(
           fmt::format("{}: class {} method {} is declared twice; give each method of a class a "
@@ -464,7 +499,7 @@ Plugin Plugin::load_reporting(const std::filesystem::path& path, int report_fd) 
     throw PluginError(fmt::format("{}: the table lists classes but no array", file));
   std::set<std::string> class_names;
   for (std::uint32_t i = 0; i < t->n_classes; ++i) {
-    ClassInfo ci = read_class(t->classes[i], i, file);
+    ClassInfo ci = read_class(entry_at(t->classes, i, file + ": class"), i, file);
     if (!class_names.insert(ci.name).second) {
       throw PluginError(fmt::format("{}: class {} is declared twice; give each class a unique name",
                                     file, ci.name));

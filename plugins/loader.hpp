@@ -29,6 +29,9 @@ struct ClassInfo {
   Execute execute = Execute::all;
   twk_construct_fn construct = nullptr;
   twk_destruct_fn destruct = nullptr;
+  // State (TWINKLE_STATE): both or neither.
+  twk_save_fn save = nullptr;
+  twk_load_fn load = nullptr;
   std::vector<MethodInfo> methods;
 
   const MethodInfo* find_method(std::string_view name) const;

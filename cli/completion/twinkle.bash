@@ -6,7 +6,7 @@
 _twinkle_flags() {
   case $1 in
     run)
-      echo "--set --gpus --log-dir --quiet --ascii --address --key --head-key --insecure" \
+      echo "--set --gpus --log-dir --quiet --ascii --resume --address --key --head-key --insecure" \
         "--launcher --help"
       ;;
     topology)

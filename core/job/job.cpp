@@ -384,7 +384,8 @@ class JobReader {
   void read_job(const toml::table& t, Job& job) {
     check_keys(t, "job",
                {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
-                "nproc_per_node", "queue_timeout_s", "placement", "launcher"});
+                "nproc_per_node", "queue_timeout_s", "placement", "launcher", "checkpoint_dir",
+                "checkpoint_keep", "resume", "stop_grace_s"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -456,6 +457,7 @@ class JobReader {
       }
     }
     if (auto n = t.get("placement")) job.placement = read_strategy(*n, "job.placement");
+    read_checkpoints(t, job);
     if (auto n = t.get("launcher")) {
       job.launcher = get_string(*n, "job.launcher");
       if (job.launcher != "slurm" && job.launcher != "local") {
@@ -467,6 +469,50 @@ class JobReader {
       if (job.launcher == "local") job.launcher.clear();
       // Under Slurm the allocation is the cluster: the job runs in remote mode.
       if (job.launcher == "slurm") job.mode = Mode::remote;
+    }
+  }
+
+  void read_checkpoints(const toml::table& t, Job& job) const {
+    if (auto n = t.get("checkpoint_dir")) {
+      const std::string dir = get_string(*n, "job.checkpoint_dir");
+      if (dir.empty()) {
+        fail(*n, "job.checkpoint_dir",
+             "job.checkpoint_dir must name a folder (relative to the job file); leave it out for "
+             "no checkpoints");
+      }
+      const std::filesystem::path p(dir);
+      job.checkpoint_dir = p.is_absolute() ? p : (job.file.parent_path() / p).lexically_normal();
+    }
+    if (auto n = t.get("checkpoint_keep")) {
+      job.checkpoint_keep = get_positive_int(*n, "job.checkpoint_keep");
+      if (job.checkpoint_keep > kMaxCheckpointKeep) {
+        fail(*n, "job.checkpoint_keep",
+             fmt::format("job.checkpoint_keep must be 1 to {}, not {}", kMaxCheckpointKeep,
+                         job.checkpoint_keep));
+      }
+    }
+    if (auto n = t.get("resume")) {
+      const std::string v = get_string(*n, "job.resume");
+      if (v != "auto" && v != "never") {
+        auto hint = closest_match(v, {"auto", "never"});
+        fail(*n, "job.resume",
+             fmt::format("job.resume must be \"auto\" (resume from the newest checkpoint when "
+                         "there is one) or \"never\", not \"{}\"{}",
+                         v, hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+      job.resume_auto = v == "auto";
+      if (job.resume_auto && job.checkpoint_dir.empty()) {
+        fail(*n, "job.resume",
+             "job.resume = \"auto\" needs job.checkpoint_dir: the folder to resume from");
+      }
+    }
+    if (auto n = t.get("stop_grace_s")) {
+      job.stop_grace_s = get_number(*n, "job.stop_grace_s");
+      if (!(job.stop_grace_s >= 0 && job.stop_grace_s <= kMaxTimeoutS)) {
+        fail(*n, "job.stop_grace_s",
+             fmt::format("job.stop_grace_s must be at least 0 and at most {:g} (7 days), not {}",
+                         kMaxTimeoutS, job.stop_grace_s));
+      }
     }
   }
 

@@ -25,6 +25,7 @@ inline constexpr int kMaxRanks = 65536;                   // ranks 0..65535, in 
 inline constexpr int kMaxGpusPerWorker = 1024;
 inline constexpr std::size_t kMaxGroupName = 64;  // [A-Za-z0-9_.-]{1,64}
 inline constexpr double kMaxTimeoutS = 7 * 86400.0;
+inline constexpr int kMaxCheckpointKeep = 1000;  // job.checkpoint_keep
 
 std::string_view to_string(Mode m);
 std::string_view to_string(DeviceType d);
@@ -73,6 +74,13 @@ struct Job {
   int nproc_per_node = 0;        // 0: not set
   double queue_timeout_s = 300;  // remote mode: how long to wait for busy devices
   PlacementStrategy placement = PlacementStrategy::pack;
+  // Checkpoints (docs/ARCHITECTURE.md, Checkpoints): where they go (resolved against the job
+  // file's folder; empty: none), how many complete ones are kept, whether a run resumes from the
+  // newest without --resume ("auto"), and how long a stop request leaves the driver entry.
+  std::filesystem::path checkpoint_dir;
+  int checkpoint_keep = 3;
+  bool resume_auto = false;
+  double stop_grace_s = 30;
   std::vector<GroupSpec> groups;
   Value args = Value::map();  // [args], free-form
   std::optional<NotifySpec> notify;

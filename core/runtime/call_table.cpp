@@ -112,6 +112,8 @@ void CallTable::on_event(ChannelEvent& e) {
     auto inst = instances_.find(m.id);
     if (inst == instances_.end()) return;
     inst->second.acks[w.index] = std::move(created->error);
+  } else if (auto* saved = m.get<transport::proto::Saved>()) {
+    if (m.id == saving_ && saving_ != 0) saved_.emplace(e.peer, std::move(*saved));
   } else if (auto* reply = m.get<transport::proto::Reply>()) {
     auto it = calls_.find(m.id);
     if (it == calls_.end()) return;
@@ -226,6 +228,49 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
     }
   }
   return id;
+}
+
+std::vector<transport::proto::Saved> CallTable::save(
+    const transport::proto::Save& save, const std::function<std::string(std::size_t)>& file) {
+  const std::string what = fmt::format("checkpoint of step {}", save.step);
+  check_failed(what);
+  saving_ = ++next_id_;
+  saved_.clear();
+  for (std::size_t p = 0; p < workers_.size(); ++p) {
+    transport::proto::Save s = save;
+    s.file = file(p);
+    channel_.send(p, Message{saving_, std::move(s)});
+  }
+  const auto deadline = deadline_after(timeout_s_);
+  while (saved_.size() < workers_.size()) {
+    check_failed(what);
+    if (Clock::now() > deadline) {
+      std::vector<std::string> missing;
+      for (std::size_t p = 0; p < workers_.size(); ++p) {
+        if (!saved_.count(p)) missing.push_back(workers_[p].name);
+      }
+      saving_ = 0;
+      throw CallError(fmt::format(
+          "{} timed out after {:g} s: workers {} did not answer (each saves after the calls sent "
+          "to it before); raise job.timeout_s",
+          what, timeout_s_, fmt::join(missing, ", ")));
+    }
+    pump(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) +
+         std::chrono::milliseconds(1));
+  }
+  saving_ = 0;
+  std::vector<transport::proto::Saved> out;
+  for (std::size_t p = 0; p < workers_.size(); ++p) {
+    auto& s = saved_.at(p);
+    if (s.error) {
+      const WorkerInfo& w = workers_[p];
+      throw CallError(
+          fmt::format("{} failed on {}: {}", what, worker_label(w.group, w.index), *s.error));
+    }
+    out.push_back(std::move(s));
+  }
+  saved_.clear();
+  return out;
 }
 
 void CallTable::attach(std::uint64_t instance, const plugins::ClassInfo& cls, std::size_t gi) {

@@ -94,6 +94,11 @@ class CallTable {
   EncodedValue wait(std::uint64_t future);
   // The driver no longer wants the result; late answers are dropped.
   void release(std::uint64_t future);
+  // Sends `save` to every worker (each in turn with its calls) and waits for every answer, up
+  // to the job's timeout: the parts in worker order. Throws CallError naming the first worker
+  // that could not save or write its part.
+  std::vector<transport::proto::Saved> save(const transport::proto::Save& save,
+                                            const std::function<std::string(std::size_t)>& file);
 
   // Handles the channel's next event, waiting up to `timeout` for it; false when none came.
   bool pump(std::chrono::milliseconds timeout);
@@ -163,6 +168,9 @@ class CallTable {
   double timeout_s_;
   std::map<std::uint64_t, Instance> instances_;
   std::map<std::uint64_t, Call> calls_;
+  // The checkpoint being saved: its request id and the answers so far, by peer.
+  std::uint64_t saving_ = 0;
+  std::map<std::size_t, transport::proto::Saved> saved_;
   std::uint64_t next_id_ = 0;
   std::uint64_t in_wait_ = 0;  // the call that wait() waits for (0: none)
   std::optional<LostWorker> lost_;

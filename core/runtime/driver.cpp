@@ -26,6 +26,7 @@
 #include "core/job/topology.hpp"
 #include "core/job/values.hpp"
 #include "core/runtime/call_table.hpp"
+#include "core/runtime/checkpoint.hpp"
 #include "core/runtime/failure_report.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/launcher.hpp"
@@ -86,6 +87,7 @@ const char* signal_name(int sig) {
     case SIGINT: return "SIGINT";
     case SIGTERM: return "SIGTERM";
     case SIGHUP: return "SIGHUP";
+    case SIGUSR1: return "SIGUSR1";
   }
   return "a signal";
 }
@@ -105,12 +107,14 @@ class JobRun : public HostOps {
     job_ = load_job(options_.job_file, options_.overrides);
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
+    const std::string resume_note = choose_resume();
     if (!place_ranks()) {
       std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
                    signal_name(signal_.load()));
       return {RunResult::Outcome::interrupted, signal_.load()};
     }
     std::fputs(render_topology(job_, placement_, {options_.ascii}).c_str(), stdout);
+    if (!resume_note.empty()) std::printf("twinkle: %s\n", resume_note.c_str());
     std::fflush(stdout);
     load_plugin();
 
@@ -179,6 +183,57 @@ class JobRun : public HostOps {
     }
   }
   void release(std::uint64_t future) noexcept override { table_->release(future); }
+
+  // Every worker writes its part into a hidden folder, then the manifest makes it a checkpoint
+  // (docs/ARCHITECTURE.md, Checkpoints).
+  bool checkpoint(std::int64_t step, const Value& meta) override {
+    if (job_.checkpoint_dir.empty()) return false;
+    const std::string what = fmt::format("checkpoint of step {}", step);
+    std::filesystem::path tmp;
+    try {
+      checkpoint::check_meta(meta);
+      tmp = checkpoint::begin(checkpoint_root(), step, run_id_);
+    } catch (const Error& e) {
+      throw CallError(fmt::format("{}: {}", what, e.what()));
+    }
+    try {
+      const auto parts = table_->save(
+          proto::Save{tmp.string(), "", step}, [this](std::size_t p) {
+            const WorkerInfo& w = table_->workers()[p];
+            return checkpoint::part_name(table_->groups()[w.group].name, w.index);
+          });
+      checkpoint::Manifest m;
+      m.step = step;
+      m.meta = meta;
+      m.job = job_.name;
+      m.run_id = run_id_;
+      m.groups = checkpoint::shapes_of(job_);
+      for (std::size_t p = 0; p < parts.size(); ++p) {
+        const WorkerInfo& w = table_->workers()[p];
+        m.parts.push_back({w.name, checkpoint::part_name(table_->groups()[w.group].name, w.index),
+                           parts[p].sha256, parts[p].bytes, parts[p].instances});
+      }
+      last_checkpoint_ = checkpoint::publish(checkpoint_root(), tmp, std::move(m),
+                                             job_.checkpoint_keep);
+      last_step_ = step;
+      return true;
+    } catch (const CallError&) {
+      std::error_code ec;
+      std::filesystem::remove_all(tmp, ec);
+      throw;
+    } catch (const Error& e) {
+      std::error_code ec;
+      std::filesystem::remove_all(tmp, ec);
+      throw CallError(fmt::format("{}: {}", what, e.what()));
+    }
+  }
+
+  Value resumed() override {
+    if (!resume_) return Value();
+    return Value::map({{"step", resume_->manifest.step}, {"meta", resume_->manifest.meta}});
+  }
+
+  bool stop_requested() override { return stop_requested_.load(); }
 
   void attach(std::string_view cls_name, std::string_view group, std::uint64_t instance) override {
     const plugins::ClassInfo* cls = plugin_->find_class(cls_name);
@@ -257,6 +312,49 @@ class JobRun : public HostOps {
   }
 
   // ----- start-up ---------------------------------------------------------------------------
+
+  std::filesystem::path checkpoint_root() const {
+    return std::filesystem::absolute(job_.checkpoint_dir).lexically_normal();
+  }
+
+  // With --resume or resume = "auto": the newest complete checkpoint, checked against the job
+  // before anything starts. Returns what to tell the user once the topology is printed.
+  std::string choose_resume() {
+    const bool asked = options_.resume || job_.resume_auto;
+    if (job_.checkpoint_dir.empty()) {
+      if (!options_.resume) return "";
+      throw ConfigError(fmt::format(
+          "--resume: {} has no job.checkpoint_dir; set it to the folder of its checkpoints",
+          job_.file.string()));
+    }
+    const std::filesystem::path root = checkpoint_root();
+    auto found = checkpoint::newest(root);
+    if (!asked) {
+      if (!found) return "";
+      return fmt::format(
+          "{} holds checkpoints (the newest: step {}); this run starts fresh (twinkle run "
+          "--resume continues from the newest)",
+          root.string(), found->manifest.step);
+    }
+    if (!found) {
+      if (!options_.resume) return fmt::format("no checkpoint in {} yet; starting fresh", root.string());
+      throw ConfigError(fmt::format(
+          "--resume: no complete checkpoint in {}; run without --resume to start fresh",
+          root.string()));
+    }
+    const auto diffs =
+        checkpoint::differences(found->manifest.groups, checkpoint::shapes_of(job_));
+    if (!diffs.empty()) {
+      throw ConfigError(fmt::format(
+          "--resume: the checkpoint {} does not fit {}: {}; resume with the groups and meshes "
+          "it was written with, or start fresh without --resume",
+          found->dir.string(), job_.file.string(), fmt::join(diffs, "; ")));
+    }
+    resume_ = std::move(found);
+    return fmt::format("resuming from the checkpoint of step {} ({}, written {} by run {})",
+                       resume_->manifest.step, resume_->dir.string(), resume_->manifest.created,
+                       resume_->manifest.run_id);
+  }
 
   // Where every rank runs: this machine's devices, or a reservation on the cluster (which may
   // wait for devices); false when a stop signal came while waiting.
@@ -463,6 +561,15 @@ class JobRun : public HostOps {
     out.kv = kv_->endpoint();
     out.collectives = collectives_;
     out.timeout_s = job_.timeout_s;
+    if (resume_) {
+      proto::ResumePart part{"", "", resume_->manifest.step};
+      for (const auto& p : resume_->manifest.parts) {
+        if (p.worker != w.name) continue;
+        part.file = (resume_->dir / p.file).string();
+        part.sha256 = p.sha256;
+      }
+      out.resume = std::move(part);
+    }
     return out;
   }
 
@@ -475,7 +582,7 @@ class JobRun : public HostOps {
   static sigset_t stop_signals() {
     sigset_t set;
     sigemptyset(&set);
-    for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaddset(&set, s);
     return set;
   }
 
@@ -484,30 +591,72 @@ class JobRun : public HostOps {
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
   }
 
+  // With a checkpoint_dir, SIGTERM and SIGUSR1 first only ask the driver entry to stop
+  // (d.stop_requested()): it has stop_grace_s to checkpoint and return. Another signal, or the
+  // end of the grace, interrupts as any other signal does.
   void start_signal_thread() {
     signal_thread_ = std::thread([this, set = stop_signals()] {
       timespec tick{0, 50'000'000};
+      std::optional<std::chrono::steady_clock::time_point> grace_end;
       while (!stop_signals_) {
         const int sig = sigtimedwait(&set, nullptr, &tick);
-        if (sig <= 0) continue;
-        if (signal_.exchange(sig) != 0) continue;  // the first signal decides
-        launcher_->expect_exits();
-        launcher_->kill_now();
-        table_->cancel(fmt::format("interrupted by {}", signal_name(sig)));
-        channel_->wake();
-        std::unique_lock lock(returned_mu_);
-        if (returned_cv_.wait_for(lock, kInterruptGrace, [this] { return returned_; })) continue;
-        std::fflush(stdout);
-        std::fprintf(stderr,
-                     "\ntwinkle: interrupted by %s; the driver entry did not return within %lld s, "
-                     "stopped all workers\n",
-                     signal_name(sig), static_cast<long long>(kInterruptGrace.count()));
-        std::fflush(stderr);
-        launcher_->kill_now();
-        run_dir_.reset();
-        ::_exit(128 + sig);  // the last resort: the driver thread is in plugin code
+        if (sig <= 0) {
+          if (grace_end && std::chrono::steady_clock::now() >= *grace_end && !has_returned()) {
+            grace_end.reset();
+            std::fprintf(stderr,
+                         "\ntwinkle: the driver entry did not return within stop_grace_s = %g s "
+                         "of the stop request; stopping the run\n",
+                         job_.stop_grace_s);
+            std::fflush(stderr);
+            interrupt(stop_signal_);
+          }
+          continue;
+        }
+        if (signal_ != 0) continue;  // the first interrupt decides
+        if ((sig == SIGTERM || sig == SIGUSR1) && !job_.checkpoint_dir.empty() &&
+            !stop_requested_) {
+          stop_signal_ = sig;
+          stop_requested_ = true;
+          grace_end = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<std::int64_t>(job_.stop_grace_s * 1000));
+          std::fflush(stdout);
+          std::fprintf(stderr,
+                       "\ntwinkle: %s: stop requested; the driver entry has %g s to checkpoint and "
+                       "return (another signal stops the run at once)\n",
+                       signal_name(sig), job_.stop_grace_s);
+          std::fflush(stderr);
+          continue;
+        }
+        grace_end.reset();
+        interrupt(sig);
       }
     });
+  }
+
+  // Stops the workers at once and fails every wait of the driver entry; if the entry does not
+  // return within kInterruptGrace, the last resort.
+  void interrupt(int sig) {
+    if (signal_.exchange(sig) != 0) return;
+    launcher_->expect_exits();
+    launcher_->kill_now();
+    table_->cancel(fmt::format("interrupted by {}", signal_name(sig)));
+    channel_->wake();
+    std::unique_lock lock(returned_mu_);
+    if (returned_cv_.wait_for(lock, kInterruptGrace, [this] { return returned_; })) return;
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "\ntwinkle: interrupted by %s; the driver entry did not return within %lld s, "
+                 "stopped all workers\n",
+                 signal_name(sig), static_cast<long long>(kInterruptGrace.count()));
+    std::fflush(stderr);
+    launcher_->kill_now();
+    run_dir_.reset();
+    ::_exit(128 + sig);  // the last resort: the driver thread is in plugin code
+  }
+
+  bool has_returned() {
+    std::lock_guard lock(returned_mu_);
+    return returned_;
   }
 
   void driver_returned() {
@@ -524,6 +673,27 @@ class JobRun : public HostOps {
   }
 
   // ----- the end ----------------------------------------------------------------------------
+
+  // The driver entry returned after a stop request: say where the run stands and how to go on.
+  RunResult stopped_on_request() {
+    std::string resume = "twinkle run --resume " + options_.job_file.string();
+    for (const auto& o : options_.overrides) resume += fmt::format(" --set {}={}", o.key, o.value);
+    std::string where;
+    if (last_step_) {
+      where = fmt::format("after the checkpoint of step {} ({})", *last_step_,
+                          last_checkpoint_.string());
+    } else if (auto n = checkpoint::newest(checkpoint_root())) {
+      where = fmt::format("without a new checkpoint (the newest is step {}, {})",
+                          n->manifest.step, n->dir.string());
+    } else {
+      where = "without a checkpoint (--resume will find none)";
+    }
+    std::fflush(stdout);
+    std::fprintf(stderr, "twinkle: stopped on request (%s) %s; continue with:\n  %s\n",
+                 signal_name(stop_signal_), where.c_str(), resume.c_str());
+    std::fflush(stderr);
+    return {RunResult::Outcome::stopped, stop_signal_};
+  }
 
   RunResult finish(bool ok, const std::string& error) {
     driver_returned();
@@ -553,6 +723,7 @@ class JobRun : public HostOps {
                      fmt::format("{}", fmt::join(stopped, ", ")).c_str(),
                      static_cast<long long>(kShutdownGrace.count()));
       }
+      if (stop_requested_) return stopped_on_request();
       return {RunResult::Outcome::ok, 0};
     }
     FailureFacts facts{job_.name, run_id_, table_ ? table_->lost() : std::nullopt, error};
@@ -586,6 +757,12 @@ class JobRun : public HostOps {
   std::thread signal_thread_;
   std::atomic<bool> stop_signals_{false};
   std::atomic<int> signal_{0};
+  // Checkpoints and stopping on request.
+  std::optional<checkpoint::Found> resume_;  // the checkpoint this run started from
+  std::filesystem::path last_checkpoint_;    // the newest this run published
+  std::optional<std::int64_t> last_step_;
+  std::atomic<bool> stop_requested_{false};
+  std::atomic<int> stop_signal_{0};
   std::mutex returned_mu_;
   std::condition_variable returned_cv_;
   bool returned_ = false;

@@ -45,6 +45,16 @@ MeshAbi::MeshAbi(const DeviceMesh& mesh) {
                       data_ranks_.data()};
 }
 
+bool HostOps::checkpoint(std::int64_t, const Value&) {
+  throw Error(
+      "checkpoint: only the driver entry checkpoints (twinkle::Driver::checkpoint); a worker's "
+      "state is saved through its class's TWINKLE_STATE");
+}
+
+Value HostOps::resumed() {
+  throw Error("resumed: only the driver entry asks (twinkle::Driver::resumed)");
+}
+
 namespace {
 
 std::int32_t fail(twk_sink_v1* sink, const char* message) {
@@ -120,6 +130,26 @@ twk_host_v1 host_table() {
   h.attach = [](void* c, const char* cls, const char* group, std::uint64_t instance,
                 twk_sink_v1* err) {
     return guarded(err, [&] { ops(c).attach(cls ? cls : "", group ? group : "", instance); });
+  };
+  h.checkpoint = [](void* c, std::int64_t step, const twk_value_v1* meta, std::int32_t* saved,
+                    twk_sink_v1* err) {
+    return guarded(err, [&] {
+      const bool s = ops(c).checkpoint(step, meta ? decode(*meta) : Value::map());
+      if (saved) *saved = s ? 1 : 0;
+    });
+  };
+  h.resumed = [](void* c, twk_sink_v1* out) {
+    return guarded(out, [&] {
+      EncodedValue e = encode(ops(c).resumed());
+      if (out && out->set_value) out->set_value(out->target, e.view());
+    });
+  };
+  h.stop_requested = [](void* c) -> std::int32_t {
+    try {
+      return ops(c).stop_requested() ? 1 : 0;
+    } catch (...) {
+      return 0;
+    }
   };
   return h;
 }

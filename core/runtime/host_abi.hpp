@@ -70,6 +70,13 @@ class HostOps {
   virtual void comm_create(std::string_view name, const Value& members, double timeout_s) = 0;
   // Makes an instance made elsewhere (a handle passed as an argument) callable from here.
   virtual void attach(std::string_view cls, std::string_view group, std::uint64_t instance) = 0;
+  // Driver entries only (docs/ARCHITECTURE.md, Checkpoints): publish a checkpoint of `step`
+  // (false: the job has none configured), the one the run resumed from (null: none), and
+  // whether a stop was requested. A worker's methods get errors for the first two, false for
+  // the last.
+  virtual bool checkpoint(std::int64_t step, const Value& meta);
+  virtual Value resumed();
+  virtual bool stop_requested() { return false; }
 };
 
 // The host table's log, create, call, wait, release, comm_create and attach; its host context

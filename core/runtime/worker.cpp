@@ -22,6 +22,7 @@
 #include "core/job/values.hpp"
 #include "core/runtime/call_chain.hpp"
 #include "core/runtime/call_table.hpp"
+#include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "plugins/loader.hpp"
@@ -224,6 +225,14 @@ class Worker : public HostOps {
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
                                   timeout_, welcome->kv, security_, node_ip_});
       peers_from(*welcome);
+      if (welcome->resume && !welcome->resume->file.empty()) {
+        resume_step_ = welcome->resume->step;
+        try {
+          resume_.emplace(checkpoint::Part::read(welcome->resume->file, welcome->resume->sha256));
+        } catch (const Error& e) {
+          resume_error_ = e.what();  // the first instance with state fails with it
+        }
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "twinkle worker %s: the driver's welcome does not fit this worker: %s\n",
                    name_.c_str(), e.what());
@@ -287,6 +296,7 @@ class Worker : public HostOps {
   struct Instance {
     const plugins::ClassInfo* cls;
     void* self;
+    std::string key;  // its state's name in checkpoints
   };
 
   // Something to run: a message from the driver (`from` empty) or a request from another worker.
@@ -411,7 +421,8 @@ class Worker : public HostOps {
         if (peers_) peers_->lost(lost->peer, std::move(lost->text));
       } else if (auto* join = m->get<proto::CommJoin>()) {
         comms_->join(*join);
-      } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>()) {
+      } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>() ||
+                 m->get<proto::Save>()) {
         queue_.push_back(Pending{"", std::move(*m)});
       } else {
         link_->drop(fmt::format("a {} message from the driver is not for a worker",
@@ -496,12 +507,15 @@ class Worker : public HostOps {
     };
     Message& m = p.message;
     if (auto* c = m.get<proto::Create>()) {
-      execute(m, from, [&] { reply(Message{m.id, create(*c, m.id)}); });
+      execute(m, from, [&] { reply(Message{m.id, create(*c, m.id, from)}); });
     } else if (auto* c = m.get<proto::Call>()) {
       execute(m, from, [&] { reply(Message{m.id, call(*c, from.empty())}); });
+    } else if (auto* s = m.get<proto::Save>()) {
+      reply(Message{m.id, save(*s)});
     } else if (m.get<proto::Shutdown>()) {
       for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
       instances_.clear();
+      order_.clear();
       comms_->clear();
       return false;
     }
@@ -560,8 +574,9 @@ class Worker : public HostOps {
     return c;
   }
 
-  // Constructs instance `id` (the caller's handle).
-  proto::Created create(proto::Create& m, std::uint64_t id) {
+  // Constructs instance `id` (the caller's handle) for `from` (empty: the driver) and, in a
+  // resumed run, gives it its state from the checkpoint.
+  proto::Created create(proto::Create& m, std::uint64_t id, const std::string& from) {
     const plugins::ClassInfo* cls = plugin_.find_class(m.cls);
     if (!cls) return proto::Created{"the worker's plugin has no class " + m.cls};
     Shared args = share(std::move(m.args));
@@ -571,8 +586,81 @@ class Worker : public HostOps {
     void* self = nullptr;
     if (cls->construct(&host_, &ctx, &args.view, &self, &sink) != TWK_OK)
       return proto::Created{err.error.value_or("constructor failed")};
-    instances_[id] = Instance{cls, self};
+    // The state's key: who made it, the class, and how many of those it made here before, so
+    // that the same driver code finds the same state again.
+    const std::string maker = from.empty() ? "driver" : from;
+    const std::string key = fmt::format("{}/{}/{}", maker, cls->name, made_[maker + "/" + cls->name]++);
+    if (auto restored = restore(*cls, self, key)) {
+      cls->destruct(self);
+      return proto::Created{std::move(restored)};
+    }
+    instances_[id] = Instance{cls, self, key};
+    order_.push_back(id);
     return proto::Created{};
+  }
+
+  // Loads the checkpoint's state into a new instance; the error when it failed.
+  std::optional<std::string> restore(const plugins::ClassInfo& cls, void* self,
+                                     const std::string& key) {
+    if (!cls.load || (!resume_ && resume_error_.empty())) return std::nullopt;
+    const std::string what =
+        fmt::format("restoring {}'s state from the checkpoint of step {}", cls.name, resume_step_);
+    if (!resume_error_.empty()) return fmt::format("{}: {}", what, resume_error_);
+    try {
+      EncodedValue* state = resume_->state(key, cls.name);
+      if (!state) return std::nullopt;  // made after that checkpoint: it starts fresh
+      twk_context_v1 ctx = context();
+      SinkCapture err;
+      twk_sink_v1 sink = err.sink();
+      if (cls.load(self, &host_, &ctx, state->view(), &sink) != TWK_OK)
+        return fmt::format("{}: {}", what, err.error.value_or("load failed without a message"));
+    } catch (const std::exception& e) {
+      return fmt::format("{}: {}", what, e.what());
+    }
+    return std::nullopt;
+  }
+
+  // Writes this worker's part of a checkpoint: the state of every instance that has state, in
+  // the order they were made, straight from the plugin's memory to the file.
+  proto::Saved save(const proto::Save& m) {
+    std::vector<const Instance*> stateful;
+    for (std::uint64_t id : order_) {
+      const Instance& inst = instances_.at(id);
+      if (inst.cls->save) stateful.push_back(&inst);
+    }
+    try {
+      checkpoint::PartWriter part(std::filesystem::path(m.dir) / m.file,
+                                  static_cast<std::uint32_t>(stateful.size()), m.step);
+      for (const Instance* inst : stateful) {
+        struct Target {
+          checkpoint::PartWriter* part;
+          const Instance* inst;
+          std::optional<std::string> error;
+        } t{&part, inst, std::nullopt};
+        twk_sink_v1 sink{&t,
+                         [](void* p, const twk_value_v1* v) {
+                           auto* t = static_cast<Target*>(p);
+                           try {
+                             t->part->add(t->inst->key, t->inst->cls->name, *v);
+                           } catch (const std::exception& e) {
+                             t->error = e.what();
+                           }
+                         },
+                         [](void* p, const char* msg) {
+                           static_cast<Target*>(p)->error = msg ? msg : "";
+                         }};
+        twk_context_v1 ctx = context();
+        if (inst->cls->save(inst->self, &host_, &ctx, &sink) != TWK_OK || t.error) {
+          return proto::Saved{fmt::format("{}.save: {}", inst->cls->name,
+                                          t.error.value_or("failed without a message")),
+                              "", 0, 0};
+        }
+      }
+      const auto written = part.finish();
+      return proto::Saved{std::nullopt, written.sha256, written.bytes, stateful.size()};
+    } catch (const std::exception& e) {
+      return proto::Saved{e.what(), "", 0, 0};
+    }
   }
 
   proto::Reply call(proto::Call& m, bool from_driver) {
@@ -613,6 +701,11 @@ class Worker : public HostOps {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
+  std::vector<std::uint64_t> order_;    // instances_ in the order they were made
+  std::map<std::string, int> made_;     // "maker/Class" -> how many were made here
+  std::optional<checkpoint::Part> resume_;  // a resumed run: this worker's part
+  std::string resume_error_;                // ... or why it could not be read
+  std::int64_t resume_step_ = 0;
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<Communicators> comms_;  // after the welcome
   transport::SocketSecurity security_;    // remote workers: the run's keys

@@ -9,8 +9,10 @@ namespace twinkle::core {
 
 namespace {
 
-// Variables a worker gets from Twinkle only, never from the launcher's environment.
+// Variables a worker gets from Twinkle only, never from the launcher's environment. The tests'
+// fault switches (TWINKLE_TEST_*) pass, so that a test can reach the workers.
 bool owned(const std::string& kv) {
+  if (kv.starts_with("TWINKLE_TEST_")) return false;
   static const char* kOwned[] = {
       "RANK=",        "LOCAL_RANK=",  "WORLD_SIZE=",           "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
       "MASTER_ADDR=", "MASTER_PORT=", "CUDA_VISIBLE_DEVICES=", "TWINKLE_"};

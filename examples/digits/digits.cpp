@@ -6,6 +6,12 @@
 // them up with all_reduce over the dp communicator, and all take the same SGD step, so their
 // parameters stay identical. The result does not depend on the number of workers (up to float
 // rounding): a 1-worker run of the same job reaches the same loss.
+//
+// Checkpoints: the model's state is its parameters and velocities (TWINKLE_STATE). With a
+// [job] checkpoint_dir the driver checkpoints after every epoch, with the epoch as the step;
+// `twinkle run --resume` continues from the newest and ends with the same final loss, bit for
+// bit, as a run that was never stopped. On SIGTERM or SIGUSR1 the driver finishes the epoch,
+// checkpoints and returns (the run exits with 75).
 #include <twinkle/plugin.hpp>
 
 #include <zlib.h>
@@ -166,6 +172,28 @@ class Mlp {
     return Value::map({{"loss", grad[size()] / n}, {"rows", static_cast<std::int64_t>(n)}});
   }
 
+  // The replica's state for checkpoints: parameters and velocities.
+  Value save(Context&) {
+#ifdef DIGITS_HAVE_CUDA
+    if (cuda_) cuda_->download(params_, velocity_);
+#endif
+    return Value::map({{"params", Tensor::from(params_)}, {"velocity", Tensor::from(velocity_)}});
+  }
+  void load(Context&, const Value& state) {
+    auto params = state["params"].tensor().span<double>();
+    auto velocity = state["velocity"].tensor().span<double>();
+    if (params.size() != size() || velocity.size() != size()) {
+      throw std::runtime_error("the checkpoint holds a model of " + std::to_string(params.size()) +
+                               " parameters, this one has " + std::to_string(size()) +
+                               " (args.hidden changed?)");
+    }
+    params_.assign(params.begin(), params.end());
+    velocity_.assign(velocity.begin(), velocity.end());
+#ifdef DIGITS_HAVE_CUDA
+    if (cuda_) cuda_->restore(params_, velocity_);
+#endif
+  }
+
   // Correct predictions and rows of this worker's slice (collect sum adds them up).
   Value evaluate(Context&, const Tensor& x, const Tensor& y) {
     std::int64_t correct = 0;
@@ -254,6 +282,7 @@ class Mlp {
 };
 
 TWINKLE_CLASS(Mlp, twinkle::execute::all);
+TWINKLE_STATE(Mlp, save, load);
 TWINKLE_METHOD(Mlp, train_step, twinkle::dispatch::slice_dp, twinkle::collect::mean);
 TWINKLE_METHOD(Mlp, evaluate, twinkle::dispatch::slice_dp, twinkle::collect::sum);
 
@@ -283,8 +312,17 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
                                                   {"lr", args["lr"]},
                                                   {"momentum", args["momentum"]},
                                                   {"seed", seed}}));
+  // A resumed run: the model has its state back; the shuffles of the epochs done are replayed so
+  // that the next epoch sees the order it would have seen, and the loss goes on as it would have.
+  int done = 0;
   double last = 0;
-  for (int epoch = 1; epoch <= epochs; ++epoch) {
+  if (auto r = d.resumed()) {
+    done = static_cast<int>(r->step);
+    last = r->meta["loss"].as<double>();
+    for (int e = 0; e < done; ++e) shuffle(train);
+    d.log("resumed after epoch {}", done);
+  }
+  for (int epoch = done + 1; epoch <= epochs; ++epoch) {
     shuffle(train);
     // Every step of the epoch is sent at once; the workers run them in order.
     std::vector<twinkle::LazyCollect> steps;
@@ -303,6 +341,11 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
     }
     last = loss_sum / static_cast<double>(rows);
     d.log("epoch {}  loss {}", epoch, last);
+    d.checkpoint(epoch, Value::map({{"loss", last}}));  // no-op without a checkpoint_dir
+    if (d.stop_requested()) {
+      d.log("stopping after epoch {} as asked", epoch);
+      return;
+    }
   }
   auto [x, y] = take(data, test);
   const Value eval = model.call("evaluate", x, y).get();

@@ -162,6 +162,22 @@ CudaMlp::CudaMlp(int hidden, const std::vector<double>& params, double lr, doubl
 
 CudaMlp::~CudaMlp() = default;
 
+void CudaMlp::download(std::vector<double>& params, std::vector<double>& velocity) const {
+  params.resize(size_);
+  velocity.resize(size_);
+  check(cudaMemcpy(params.data(), d_->params, size_ * sizeof(double), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+  check(cudaMemcpy(velocity.data(), d_->velocity, size_ * sizeof(double), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+}
+
+void CudaMlp::restore(const std::vector<double>& params, const std::vector<double>& velocity) {
+  check(cudaMemcpy(d_->params, params.data(), size_ * sizeof(double), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  check(cudaMemcpy(d_->velocity, velocity.data(), size_ * sizeof(double), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+}
+
 void CudaMlp::upload(const float* x, const std::int64_t* y, int rows) {
   if (rows > d_->capacity) {
     for (void* p : {static_cast<void*>(d_->x), static_cast<void*>(d_->y), static_cast<void*>(d_->h),

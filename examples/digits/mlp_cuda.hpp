@@ -27,6 +27,9 @@ class CudaMlp {
   std::pair<double, double> step();
   // Correct predictions on rows.
   std::int64_t evaluate(const float* x, const std::int64_t* y, int rows);
+  // The parameters and velocities in the CPU layout (checkpoints), and back.
+  void download(std::vector<double>& params, std::vector<double>& velocity) const;
+  void restore(const std::vector<double>& params, const std::vector<double>& velocity);
 
  private:
   struct Device;

@@ -51,7 +51,7 @@ case $3 in
     expect_words "run topology nodes node inspect keygen" twinkle ""
     expect_words "topology" twinkle to
     expect_words "--help --version" twinkle --
-    expect_words "--set --gpus --log-dir --quiet --ascii --address --key --head-key --insecure --launcher --help" twinkle run --
+    expect_words "--set --gpus --log-dir --quiet --ascii --resume --address --key --head-key --insecure --launcher --help" twinkle run --
     expect_words "--launcher --log-dir" twinkle run --l
     expect_words "start stop" twinkle node ""
     expect_words "--pid-file --timeout --help" twinkle node stop --

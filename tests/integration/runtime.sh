@@ -50,8 +50,9 @@ expect_clean() {
 }
 
 # Starts the hang scenario in the background; sets DRIVER_PID and WORKER_PIDS once all are ready.
+# $1: more [job] keys.
 start_hanging() {
-  write_job "" ""
+  write_job "${1-}" ""
   "$TWK" run --set job.driver=hang "$TMP/job.toml" >"$TMP/out" 2>"$TMP/err" &
   DRIVER_PID=$!
   local deadline=$((SECONDS + 20))
@@ -332,6 +333,28 @@ PY
     write_job "" ""
     run 1 "$TWK" run --set job.driver=timeout "$TMP/job.toml"
     expect_err "Probe.slow timed out after 0.3 s: ranks [0, 1] of group b did not answer"
+    expect_clean
+    ;;
+  stop_grace)
+    # With a checkpoint_dir, SIGTERM asks the driver entry to stop; one that does not return
+    # within stop_grace_s is stopped as SIGTERM always stopped runs (143), nothing left behind.
+    start_hanging $'checkpoint_dir = "ck"\nstop_grace_s = 0.5'
+    kill -TERM $DRIVER_PID
+    wait_driver
+    [ "$DRIVER_RC" -eq 143 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 143"; }
+    expect_err "SIGTERM: stop requested; the driver entry has 0.5 s to checkpoint and return"
+    expect_err "the driver entry did not return within stop_grace_s = 0.5 s of the stop request"
+    expect_err "interrupted by SIGTERM"
+    workers_gone_within 1000
+    expect_clean
+    # A second signal during the grace stops the run at once.
+    start_hanging $'checkpoint_dir = "ck"\nstop_grace_s = 600'
+    kill -TERM $DRIVER_PID
+    wait_for "$TMP/err" "stop requested" 5
+    kill -INT $DRIVER_PID
+    wait_driver
+    [ "$DRIVER_RC" -eq 130 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 130"; }
+    workers_gone_within 1000
     expect_clean
     ;;
   sigint|sigterm|sigkill)

@@ -96,6 +96,37 @@ TEST_CASE("defaults", "[job]") {
   CHECK_FALSE(job.notify);
 }
 
+TEST_CASE("checkpoint keys", "[job]") {
+  const std::string group = "[[group]]\nname = \"g\"\nranks = 1\n";
+  Job none = parse(kJob + group);
+  CHECK(none.checkpoint_dir.empty());
+  CHECK(none.checkpoint_keep == 3);
+  CHECK_FALSE(none.resume_auto);
+  CHECK(none.stop_grace_s == 30);
+  Job job = parse(kJob +
+                  "checkpoint_dir = \"ck/run1\"\ncheckpoint_keep = 5\nresume = \"auto\"\n"
+                  "stop_grace_s = 2.5\n" +
+                  group);
+  CHECK(job.checkpoint_dir == "jobs/ck/run1");  // beside the job file
+  CHECK(job.checkpoint_keep == 5);
+  CHECK(job.resume_auto);
+  CHECK(job.stop_grace_s == 2.5);
+  CHECK(parse(kJob + "checkpoint_dir = \"/abs/ck\"\n" + group).checkpoint_dir == "/abs/ck");
+  CHECK(parse(kJob + group, {{"job.checkpoint_dir", "x"}}).checkpoint_dir == "jobs/x");
+  CHECK(error_of(kJob + "resume = \"auto\"\n" + group) ==
+        "jobs/job.toml:4:10: job.resume = \"auto\" needs job.checkpoint_dir: the folder to resume "
+        "from");
+  CHECK_THAT(error_of(kJob + "checkpoint_dir = \"c\"\nresume = \"nevr\"\n" + group),
+             Catch::Contains("did you mean \"never\"?"));
+  CHECK_THAT(error_of(kJob + "checkpoint_keep = 0\n" + group), Catch::StartsWith("jobs/job.toml:4:"));
+  CHECK_THAT(error_of(kJob + "checkpoint_keep = 1001\n" + group),
+             Catch::Contains("job.checkpoint_keep must be 1 to 1000, not 1001"));
+  CHECK_THAT(error_of(kJob + "checkpoint_dir = \"\"\n" + group),
+             Catch::Contains("job.checkpoint_dir must name a folder"));
+  CHECK_THAT(error_of(kJob + "stop_grace_s = -1\n" + group),
+             Catch::Contains("job.stop_grace_s must be at least 0"));
+}
+
 TEST_CASE("mesh order overrides the layout", "[job]") {
   Job job = parse(
       kJob +

@@ -146,6 +146,27 @@ TEST_CASE("trampolines call the methods and turn exceptions into error codes", "
   auto wrong_type = call("add", Value::list({"a", 1}));
   CHECK(wrong_type.error == "value is string, not double");
 
+  // State: save gives the map, load takes it back (and its errors come back as errors).
+  REQUIRE(echo->save);
+  REQUIRE(echo->load);
+  Captured saved;
+  twk_sink_v1 save_sink = saved.sink();
+  REQUIRE(echo->save(self, &host, &ctx, &save_sink) == TWK_OK);
+  REQUIRE(saved.value);
+  CHECK((*saved.value)["rank"].as<int>() == 1);
+  auto state = twinkle::encode(Value::map({{"rank", 7}}));
+  Captured load_err;
+  twk_sink_v1 load_sink = load_err.sink();
+  REQUIRE(echo->load(self, &host, &ctx, state.view(), &load_sink) == TWK_OK);
+  Captured again;
+  twk_sink_v1 again_sink = again.sink();
+  REQUIRE(echo->save(self, &host, &ctx, &again_sink) == TWK_OK);
+  CHECK((*again.value)["rank"].as<int>() == 7);
+  auto bad_state = twinkle::encode(Value::list());
+  REQUIRE(echo->load(self, &host, &ctx, bad_state.view(), &load_sink) == TWK_ERROR);
+  CHECK(load_err.error == "state has no rank");
+  CHECK_FALSE(p.find_class("Throws")->save);
+
   echo->destruct(self);
 
   const auto* throws = p.find_class("Throws");
@@ -206,6 +227,18 @@ TEST_CASE("broken plugins are refused with the file and the reason", "[loader]")
       load_error(FIXTURE_BAD_ENUM),
       Catch::Contains("class Model method step: collect value 42 is unknown (known: 0 none"));
   CHECK_NOTHROW(Plugin::load(FIXTURE_OK));
+}
+
+TEST_CASE("a plugin built with the first release's class layout is read entry by entry",
+          "[loader]") {
+  // Its class entries are 56 bytes, this header's 72: indexing by sizeof(twk_class_v1) would
+  // read the second class from the middle of the first.
+  Plugin p = Plugin::load(FIXTURE_OLD_CLASSES);
+  REQUIRE(p.classes().size() == 2);
+  CHECK(p.classes()[0].name == "Model");
+  CHECK(p.classes()[1].name == "Other");
+  CHECK(p.classes()[1].execute == twinkle::Execute::first);
+  CHECK_FALSE(p.classes()[1].save);
 }
 
 TEST_CASE("files that are not plugins", "[loader]") {

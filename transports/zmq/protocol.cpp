@@ -27,6 +27,8 @@ const char* to_string(MsgType t) {
     case MsgType::comm_join: return "comm_join";
     case MsgType::peer_lost: return "peer_lost";
     case MsgType::probe: return "probe";
+    case MsgType::save: return "save";
+    case MsgType::saved: return "saved";
     case MsgType::node_register: return "node_register";
     case MsgType::node_welcome: return "node_welcome";
     case MsgType::heartbeat: return "heartbeat";

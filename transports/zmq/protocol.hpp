@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 5;
+inline constexpr std::uint16_t kProtocolVersion = 6;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -43,6 +43,8 @@ enum class MsgType : std::uint16_t {
   comm_join = 11,
   peer_lost = 12,
   probe = 13,
+  save = 14,
+  saved = 15,
   // Cluster messages (remote mode): between the head and its agents, drivers and clients.
   node_register = 20,
   node_welcome = 21,
@@ -132,6 +134,18 @@ struct WorkerEntry {
   }
 };
 
+// The checkpoint a run resumes from: this worker's part of it (docs/ARCHITECTURE.md,
+// Checkpoints).
+struct ResumePart {
+  std::string file;    // absolute path; empty: this worker has no part
+  std::string sha256;  // of the file, from the manifest
+  std::int64_t step = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("file", &ResumePart::file), field("sha256", &ResumePart::sha256),
+                      field("step", &ResumePart::step)};
+  }
+};
+
 // driver -> worker, once every worker said hello.
 struct Welcome {
   static constexpr MsgType kType = MsgType::welcome;
@@ -145,6 +159,7 @@ struct Welcome {
   std::string kv;           // the rendezvous store's endpoint
   std::string collectives;  // "auto" | "shm" | "gloo"
   double timeout_s = 0;
+  std::optional<ResumePart> resume;  // a resumed run
   static constexpr auto fields() {
     return std::tuple{field("job", &Welcome::job),
                       field("groups", &Welcome::groups),
@@ -155,7 +170,8 @@ struct Welcome {
                       field("device", &Welcome::device),
                       field("kv", &Welcome::kv),
                       field("collectives", &Welcome::collectives),
-                      field("timeout_s", &Welcome::timeout_s)};
+                      field("timeout_s", &Welcome::timeout_s),
+                      field("resume", &Welcome::resume)};
   }
 };
 
@@ -282,8 +298,34 @@ struct Probe {
   }
 };
 
+// driver -> worker, id = the request: save the state of every instance that has state into
+// `dir`/`file` (the worker's part of the checkpoint of `step`), in turn with its calls.
+struct Save {
+  static constexpr MsgType kType = MsgType::save;
+  std::string dir;   // the checkpoint's folder while it is written (absolute)
+  std::string file;  // the part's name in it
+  std::int64_t step = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("dir", &Save::dir), field("file", &Save::file),
+                      field("step", &Save::step)};
+  }
+};
+
+// worker -> driver, id = the request: the part is on disk (fsynced), or why not.
+struct Saved {
+  static constexpr MsgType kType = MsgType::saved;
+  std::optional<std::string> error;
+  std::string sha256;
+  std::uint64_t bytes = 0;
+  std::uint64_t instances = 0;  // how many states the part holds
+  static constexpr auto fields() {
+    return std::tuple{field("error", &Saved::error), field("sha256", &Saved::sha256),
+                      field("bytes", &Saved::bytes), field("instances", &Saved::instances)};
+  }
+};
+
 using Control = std::variant<Hello, Welcome, Create, Created, Call, Reply, Shutdown, KvSet, KvGet,
-                             KvValue, CommJoin, PeerLost, Probe>;
+                             KvValue, CommJoin, PeerLost, Probe, Save, Saved>;
 
 // ----- cluster messages ---------------------------------------------------------------------
 // The head forwards launch, plugin and stop_job to the agent of their `node`, and launched,

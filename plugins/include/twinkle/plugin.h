@@ -193,11 +193,32 @@ typedef struct twk_host_v1 {
    * came as an argument), callable from this worker with call(). */
   int32_t (*attach)(void* host_ctx, const char* cls, const char* group, uint64_t instance,
                     twk_sink_v1* err);
+
+  /* Fields below were added with checkpoints: check `size` before using them. */
+
+  /* Driver: every instance whose class has state (twk_class_v1.save) saves it; each worker
+   * writes its own part of the checkpoint into [job] checkpoint_dir and the host publishes it,
+   * with `step` and `meta` (a value without tensors), once every part is on disk. *saved is 0
+   * when the job has no checkpoint_dir (nothing is written), else 1. */
+  int32_t (*checkpoint)(void* host_ctx, int64_t step, const twk_value_v1* meta, int32_t* saved,
+                        twk_sink_v1* err);
+  /* Driver: the checkpoint this run resumed from, as a map {step, meta} to `out`; null when the
+   * run started fresh. */
+  int32_t (*resumed)(void* host_ctx, twk_sink_v1* out);
+  /* Driver: 1 once a stop was requested (SIGTERM or SIGUSR1 with a checkpoint_dir): the entry
+   * should checkpoint and return within [job] stop_grace_s. */
+  int32_t (*stop_requested)(void* host_ctx);
 } twk_host_v1;
 
 typedef int32_t (*twk_construct_fn)(const twk_host_v1* host, const twk_context_v1* ctx,
                                     const twk_value_v1* args, void** self, twk_sink_v1* err);
 typedef void (*twk_destruct_fn)(void* self);
+/* State: the instance's state as a value (a map of tensors and numbers) to `out`. */
+typedef int32_t (*twk_save_fn)(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
+                               twk_sink_v1* out);
+/* State: restore what save gave, right after the constructor ran. */
+typedef int32_t (*twk_load_fn)(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
+                               const twk_value_v1* state, twk_sink_v1* err);
 typedef int32_t (*twk_invoke_fn)(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
                                  const twk_value_v1* args, twk_sink_v1* out);
 typedef int32_t (*twk_driver_fn)(const twk_host_v1* host, const twk_context_v1* ctx,
@@ -229,6 +250,9 @@ typedef struct twk_class_v1 {
   twk_destruct_fn destruct;
   const twk_method_v1* methods;
   uint32_t n_methods;
+  /* Added with checkpoints (check `size`): both set, or neither (the class has no state). */
+  twk_save_fn save;
+  twk_load_fn load;
 } twk_class_v1;
 
 typedef struct twk_driver_v1 {
@@ -275,9 +299,13 @@ static_assert(sizeof(twk_mesh_v1) == 56, "twk_mesh_v1 layout changed");
 static_assert(sizeof(twk_context_v1) == 80, "twk_context_v1 layout changed");
 /* twk_host_v1 grows only at its end; users check `size` for the fields after barrier. */
 static_assert(offsetof(twk_host_v1, barrier) == 88, "twk_host_v1 layout changed");
-static_assert(sizeof(twk_host_v1) == 112, "twk_host_v1 layout changed");
+static_assert(offsetof(twk_host_v1, attach) == 104, "twk_host_v1 layout changed");
+static_assert(sizeof(twk_host_v1) == 136, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
-static_assert(sizeof(twk_class_v1) == 56, "twk_class_v1 layout changed");
+/* twk_class_v1 grew at its end (save, load); arrays of classes are read with the stride of the
+ * plugin's own `size`. */
+static_assert(offsetof(twk_class_v1, n_methods) == 48, "twk_class_v1 layout changed");
+static_assert(sizeof(twk_class_v1) == 72, "twk_class_v1 layout changed");
 static_assert(sizeof(twk_plugin_v1) == 88, "twk_plugin_v1 layout changed");
 static_assert(offsetof(twk_plugin_v1, size) == 4, "twk_plugin_v1 layout changed");
 #endif

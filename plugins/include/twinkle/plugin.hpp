@@ -633,6 +633,47 @@ class Driver {
       throw RemoteError(detail::caller_prefix(where) + t.error);
   }
 
+  // Checkpoints (twinkle-plugin(7), STATE AND CHECKPOINTS): every instance whose class declares
+  // TWINKLE_STATE saves its state, each worker writes its part in parallel, and the checkpoint
+  // of `step` (with `meta`, a value without tensors) is published whole or not at all. Returns
+  // false when the job has no [job] checkpoint_dir (nothing was saved); throws RemoteError when a
+  // worker could not save or write its part (the newest complete checkpoint stays as it was).
+  bool checkpoint(std::int64_t step, const Value& meta = Value::map(),
+                  std::source_location where = std::source_location::current()) const {
+    if (!has_state_calls()) {
+      throw RemoteError(detail::caller_prefix(where) +
+                        "this twinkle is older than the SDK: it has no checkpoints");
+    }
+    EncodedValue e = encode(meta);
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    std::int32_t saved = 0;
+    if (host_->checkpoint(ctx_->host_ctx, step, e.view(), &saved, &sink) != TWK_OK)
+      throw RemoteError(detail::caller_prefix(where) + t.error);
+    return saved != 0;
+  }
+
+  // The checkpoint this run resumed from (`twinkle run --resume`, [job] resume = "auto"): its
+  // step and meta; the instances already have their state back. Empty when the run started
+  // fresh.
+  struct Resumed {
+    std::int64_t step = 0;
+    Value meta;
+  };
+  std::optional<Resumed> resumed() const {
+    if (!has_state_calls()) return std::nullopt;
+    detail::SinkTarget t;
+    twk_sink_v1 sink = t.sink();
+    if (host_->resumed(ctx_->host_ctx, &sink) != TWK_OK) throw RemoteError(t.error);
+    if (!t.value || t.value->is_null()) return std::nullopt;
+    return Resumed{(*t.value)["step"].as<std::int64_t>(), (*t.value)["meta"]};
+  }
+
+  // True once the run was asked to stop (SIGTERM or SIGUSR1 to `twinkle run`, e.g. a Slurm
+  // preemption, in a job with a checkpoint_dir): checkpoint and return within [job]
+  // stop_grace_s; the run then exits with 75 and `twinkle run --resume` continues it.
+  bool stop_requested() const { return has_state_calls() && host_->stop_requested(ctx_->host_ctx); }
+
   std::string_view job() const { return ctx_->job ? ctx_->job : ""; }
   // The folder of the job file: relative paths in [args] are meant from there.
   std::string job_dir() const {
@@ -659,6 +700,11 @@ class Driver {
   const twk_host_v1* host_;
   const twk_context_v1* ctx_;
   mutable std::optional<Value> args_;
+
+  bool has_state_calls() const {
+    return host_->size >= offsetof(twk_host_v1, stop_requested) + sizeof(void*) &&
+           host_->checkpoint && host_->resumed && host_->stop_requested;
+  }
 };
 
 template <class... A>
@@ -721,6 +767,8 @@ struct ClassEntry {
   std::int32_t execute = TWK_EXECUTE_ALL;
   twk_construct_fn construct = nullptr;
   twk_destruct_fn destruct = nullptr;
+  twk_save_fn save = nullptr;
+  twk_load_fn load = nullptr;
   std::vector<MethodEntry> methods;
 };
 
@@ -757,7 +805,8 @@ struct Registry {
       const auto& c = classes[i];
       c_classes.push_back(twk_class_v1{sizeof(twk_class_v1), c.name.c_str(), c.execute, c.construct,
                                        c.destruct, c_methods[i].data(),
-                                       static_cast<std::uint32_t>(c_methods[i].size())});
+                                       static_cast<std::uint32_t>(c_methods[i].size()), c.save,
+                                       c.load});
     }
     table = twk_plugin_v1{TWK_ABI_VERSION,
                           sizeof(twk_plugin_v1),
@@ -858,6 +907,32 @@ struct ClassRegistrar {
   }
 };
 
+template <class Cls, auto Save>
+std::int32_t save_state(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
+                        twk_sink_v1* out) {
+  return guard(out, [&] {
+    Context c(host, ctx);
+    emit(out, Value((static_cast<Cls*>(self)->*Save)(c)));
+  });
+}
+
+template <class Cls, auto Load>
+std::int32_t load_state(void* self, const twk_host_v1* host, const twk_context_v1* ctx,
+                        const twk_value_v1* state, twk_sink_v1* err) {
+  return guard(err, [&] {
+    Context c(host, ctx);
+    (static_cast<Cls*>(self)->*Load)(c, decode(*state));
+  });
+}
+
+struct StateRegistrar {
+  StateRegistrar(const char* cls, twk_save_fn s, twk_load_fn l) {
+    ClassEntry& entry = registry().class_named(cls);
+    entry.save = s;
+    entry.load = l;
+  }
+};
+
 inline void apply_option(MethodEntry& m, execute::Spec e) { m.execute = e.kind; }
 inline void apply_option(MethodEntry& m, timeout t) { m.timeout_s = t.seconds; }
 
@@ -910,6 +985,15 @@ struct CollectorRegistrar {
 #define TWINKLE_METHOD(Cls, method, ...)                                                   \
   static ::twinkle::detail::MethodRegistrar TWK_CAT(TWK_CAT(twk_method_, Cls), _##method)( \
       #Cls, #method, &::twinkle::detail::invoke<Cls, &Cls::method>, __VA_ARGS__)
+
+// Declares a class's state for checkpoints and recovery: TWINKLE_STATE(Cls, save, load) with
+// `twinkle::Value Cls::save(twinkle::Context&)` (a map of tensors and numbers) and
+// `void Cls::load(twinkle::Context&, const twinkle::Value&)`, which gets what save returned,
+// right after the constructor ran. The runtime writes and reads the files.
+#define TWINKLE_STATE(Cls, save, load)                                             \
+  static ::twinkle::detail::StateRegistrar TWK_CAT(twk_state_, Cls)(               \
+      #Cls, &::twinkle::detail::save_state<Cls, &Cls::save>,                       \
+      &::twinkle::detail::load_state<Cls, &Cls::load>)
 
 // Declares a driver entry: TWINKLE_DRIVER(main, twinkle::Driver& d) { ... }
 #define TWINKLE_DRIVER(name, param)                                                               \

@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# Checkpoints, --resume and stopping on request, with the digits example (the real binary): a run
+# stopped or killed at any point resumes to the same final loss, bit for bit, as a run that was
+# never stopped. Usage: checkpoint.sh TWINKLE_BINARY SOURCE_ROOT EXAMPLES_BUILD_DIR CASE
+TWK=$1
+SRC=$2
+EXAMPLES=$3
+CASE=$4
+source "$SRC/tests/integration/lib.sh"
+
+export TMPDIR="$TMP/run"  # where runs make their private directories
+mkdir -p "$TMPDIR"
+CK="$TMP/ck"
+
+# digits.toml: the example's job with its plugin and data here; checkpoints in $CK (ck.toml).
+sed -e "s|^plugin *=.*|plugin = \"$EXAMPLES/digits/libdigits.so\"|" \
+  "$SRC/examples/digits/job.toml" >"$TMP/digits.toml"
+cp "$SRC/examples/digits/digits.csv.gz" "$TMP/"
+sed -e 's|^timeout_s = 120|timeout_s = 120\ncheckpoint_dir = "ck"|' "$TMP/digits.toml" >"$TMP/ck.toml"
+grep -q '^checkpoint_dir = "ck"' "$TMP/ck.toml" || fail "could not add checkpoint_dir to the job"
+
+# The reference: 30 epochs, never stopped, no checkpoints. Every epoch's loss line and the final
+# loss (printed with every digit they have: fmt's shortest round trip).
+run 0 "$TWK" run --quiet "$TMP/digits.toml"
+grep -E '^epoch [0-9]+  loss ' "$TMP/out" >"$TMP/ref-epochs"
+REF_FINAL=$(grep '^final loss:' "$TMP/out")
+[ "$(wc -l <"$TMP/ref-epochs")" -eq 30 ] || { cat "$TMP/out"; fail "the reference has no 30 epochs"; }
+
+# Nothing of a run left: no worker, no run folder.
+expect_clean() {
+  local deadline=$((SECONDS + 5))
+  while pgrep -f -- "$TMPDIR" >/dev/null; do
+    [ $SECONDS -lt $deadline ] || { pgrep -af -- "$TMPDIR"; fail "worker processes left behind"; }
+    sleep 0.05
+  done
+  [ -z "$(ls -A "$TMPDIR")" ] || { ls -la "$TMPDIR"; fail "a run folder was left behind"; }
+}
+
+# resume_matches: `twinkle run --resume` of ck.toml continues from the newest checkpoint and
+# ends as the reference: the same loss in every epoch after the one it resumed from, the same
+# final loss. No temporary checkpoint folder is left.
+resume_matches() {
+  run 0 "$TWK" run --quiet --resume "$TMP/ck.toml"
+  expect_out "twinkle: resuming from the checkpoint of step"
+  local step
+  step=$(sed -n 's/^resumed after epoch \([0-9]*\)$/\1/p' "$TMP/out")
+  [ -n "$step" ] || { cat "$TMP/out"; fail "the driver did not say where it resumed"; }
+  grep -E '^epoch [0-9]+  loss ' "$TMP/out" >"$TMP/got-epochs"
+  tail -n +$((step + 1)) "$TMP/ref-epochs" >"$TMP/want-epochs"
+  diff "$TMP/want-epochs" "$TMP/got-epochs" ||
+    fail "resumed after epoch $step, the losses differ from the run that was never stopped"
+  [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] ||
+    fail "final loss $(grep '^final loss:' "$TMP/out") after resuming from $step, uninterrupted $REF_FINAL"
+  if ls -A "$CK" | grep -q '^\.'; then ls -la "$CK"; fail "a temporary checkpoint folder is left"; fi
+  RESUMED_FROM=$step
+}
+
+# Starts ck.toml in the background (DRIVER_PID), stdout in $TMP/bg.out, stderr in $TMP/bg.err.
+start_bg() {
+  env "$@" "$TWK" run --quiet "$TMP/ck.toml" >"$TMP/bg.out" 2>"$TMP/bg.err" &
+  DRIVER_PID=$!
+}
+
+case "$CASE" in
+  files)
+    # A full run keeps the newest checkpoint_keep (3) complete checkpoints, each with a part per
+    # worker whose sha256 the manifest records.
+    run 0 "$TWK" run --quiet "$TMP/ck.toml"
+    [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] || fail "checkpoints changed the loss"
+    [ "$(ls "$CK")" = "$(printf 'step-0000000028\nstep-0000000029\nstep-0000000030')" ] ||
+      { ls -la "$CK"; fail "expected the newest three checkpoints"; }
+    python3 - "$CK/step-0000000030" "$REF_FINAL" <<'PY' || fail "the manifest does not describe the parts"
+import hashlib, json, os, sys
+d = sys.argv[1]
+m = json.load(open(os.path.join(d, "manifest.json")))
+assert m["step"] == 30 and m["job"] == "digits", m
+assert m["groups"] == [{"name": "model", "workers": 4, "mesh": [{"dim": "dp", "size": 4}]}], m
+assert [p["worker"] for p in m["parts"]] == ["model:0", "model:1", "model:2", "model:3"], m
+for p in m["parts"]:
+    data = open(os.path.join(d, p["file"]), "rb").read()
+    assert hashlib.sha256(data).hexdigest() == p["sha256"] and len(data) == p["bytes"], p
+    assert p["instances"] == 1, p
+assert "%.6f" % m["meta"]["loss"] == sys.argv[2].split(": ")[1], (m["meta"], sys.argv[2])
+PY
+    # A new run without --resume says that it starts fresh, and how to continue instead.
+    run 0 "$TWK" run --quiet "$TMP/ck.toml" --set args.epochs=1
+    expect_out "holds checkpoints (the newest: step 30); this run starts fresh"
+    # --resume from step 30: nothing left to train, the same final loss and accuracy.
+    run 0 "$TWK" run --quiet --resume "$TMP/ck.toml"
+    expect_out "resumed after epoch"
+    # A damaged part is refused by the worker that reads it, naming the file.
+    newest=$(ls -d "$CK"/step-* | tail -1)
+    printf 'X' | dd of="$newest/model.rank2.part" bs=1 seek=100 conv=notrunc status=none
+    run 1 "$TWK" run --quiet --resume "$TMP/ck.toml"
+    expect_err "model.rank2.part: its sha256 is not the manifest's"
+    expect_err "Mlp constructor failed on group model rank 2"
+    expect_clean
+    ;;
+  resume_after_kill)
+    # The driver SIGKILLed at epoch 17 (perhaps while it checkpoints): its workers die with it,
+    # and --resume ends with the reference's losses.
+    start_bg
+    wait_for "$TMP/bg.out" "epoch 17  loss" 30
+    kill -KILL "$DRIVER_PID"
+    wait "$DRIVER_PID"
+    expect_clean
+    resume_matches
+    [ "$RESUMED_FROM" -ge 16 ] || fail "resumed from epoch $RESUMED_FROM, expected 16 or later"
+    expect_clean
+    ;;
+  kill_points)
+    # Killed at each point of writing the checkpoint of step 5: a worker half way through its
+    # part, the driver before the manifest, before publishing, after publishing. The newest
+    # complete checkpoint is then step 4 (5 once published), and --resume ends as the reference.
+    for point in worker-part driver-parts driver-manifest driver-published; do
+      rm -rf "$CK"
+      start_bg TWINKLE_TEST_CHECKPOINT_FAULT="$point@5"
+      wait "$DRIVER_PID"
+      rc=$?
+      [ "$rc" -ne 0 ] || { cat "$TMP/bg.err"; fail "$point: the run succeeded"; }
+      grep -q "^epoch 6 " "$TMP/bg.out" && fail "$point: the run went on past the fault"
+      expect_clean
+      resume_matches
+      want=4
+      [ "$point" = driver-published ] && want=5
+      [ "$RESUMED_FROM" -eq "$want" ] || fail "$point: resumed from $RESUMED_FROM, expected $want"
+    done
+    expect_clean
+    ;;
+  kill_random)
+    # SIGKILL to the driver or to one worker at random moments of a run that checkpoints every
+    # epoch (every few tens of milliseconds): resume always finds a complete checkpoint.
+    for trial in $(seq 1 10); do
+      rm -rf "$CK"
+      start_bg
+      wait_for "$TMP/bg.out" "epoch 3  loss" 30
+      sleep "0.$((RANDOM % 40))"  # the random moment itself; the test waits on events elsewhere
+      if [ $((trial % 2)) -eq 0 ]; then
+        victim=$DRIVER_PID
+      else
+        victim=$(pgrep -f -- "$TMPDIR" | shuf -n 1)
+      fi
+      [ -n "$victim" ] && kill -KILL "$victim" 2>/dev/null
+      wait "$DRIVER_PID"
+      expect_clean
+      if ! ls "$CK" | grep -q '^step-'; then fail "trial $trial: no complete checkpoint at all"; fi
+      resume_matches
+      echo "trial $trial: killed $([ "$victim" = "$DRIVER_PID" ] && echo driver || echo worker), resumed from $RESUMED_FROM"
+    done
+    expect_clean
+    ;;
+  stop_on_request)
+    # SIGTERM at epoch 9: the driver finishes the epoch, checkpoints and returns; exit 75 with the
+    # command that continues; --resume ends as the reference. SIGUSR1 the same.
+    for sig in TERM USR1; do
+      rm -rf "$CK"
+      start_bg
+      wait_for "$TMP/bg.out" "epoch 9  loss" 30
+      kill -"$sig" "$DRIVER_PID"
+      wait "$DRIVER_PID"
+      rc=$?
+      [ "$rc" -eq 75 ] || { cat "$TMP/bg.err"; fail "SIG$sig: exit $rc, expected 75"; }
+      grep -q "stopped on request (SIG$sig) after the checkpoint of step" "$TMP/bg.err" ||
+        { cat "$TMP/bg.err"; fail "SIG$sig: no word of the checkpoint"; }
+      grep -qF "twinkle run --resume $TMP/ck.toml" "$TMP/bg.err" ||
+        { cat "$TMP/bg.err"; fail "SIG$sig: no command to continue"; }
+      grep -q "^stopping after epoch" "$TMP/bg.out" || fail "SIG$sig: the driver never saw the request"
+      expect_clean
+      resume_matches
+    done
+    # Without a checkpoint_dir, SIGTERM stops at once as before (143).
+    "$TWK" run --quiet "$TMP/digits.toml" --set args.epochs=100000 >"$TMP/bg.out" 2>"$TMP/bg.err" &
+    DRIVER_PID=$!
+    wait_for "$TMP/bg.out" "epoch 2  loss" 30
+    kill -TERM "$DRIVER_PID"
+    wait "$DRIVER_PID"
+    rc=$?
+    [ "$rc" -eq 143 ] || { cat "$TMP/bg.err"; fail "SIGTERM without checkpoints: exit $rc, expected 143"; }
+    expect_clean
+    ;;
+  mismatch)
+    # A checkpoint of other groups or meshes is refused before anything starts, saying what
+    # differs; so are --resume without a checkpoint_dir and --resume with nothing to resume.
+    run 2 "$TWK" run --quiet --resume "$TMP/digits.toml"
+    expect_err "--resume: $TMP/digits.toml has no job.checkpoint_dir"
+    run 2 "$TWK" run --quiet --resume "$TMP/ck.toml"
+    expect_err "--resume: no complete checkpoint in $CK; run without --resume to start fresh"
+    run 0 "$TWK" run --quiet "$TMP/ck.toml" --set args.epochs=2
+    run 2 "$TWK" run --quiet --resume "$TMP/ck.toml" --set group.model.ranks=2
+    expect_err "group model has 4 workers in the checkpoint, 2 in the job"
+    run 2 "$TWK" run --quiet --resume "$TMP/ck.toml" --set group.model.name=replicas
+    expect_err "group model is in the checkpoint, not in the job"
+    expect_err "group replicas is in the job, not in the checkpoint"
+    # resume = "auto" starts fresh where there is nothing yet, and resumes where there is.
+    rm -rf "$CK"
+    run 0 "$TWK" run --quiet "$TMP/ck.toml" --set job.resume=auto --set args.epochs=3
+    expect_out "no checkpoint in $CK yet; starting fresh"
+    run 0 "$TWK" run --quiet "$TMP/ck.toml" --set job.resume=auto
+    expect_out "resuming from the checkpoint of step 3"
+    [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] || fail "resume = auto changed the loss"
+    expect_clean
+    ;;
+  *)
+    fail "unknown case $CASE"
+    ;;
+esac
+echo "ok: $CASE"
