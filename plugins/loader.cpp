@@ -45,6 +45,7 @@ constexpr std::size_t kMinClass = offsetof(twk_class_v1, n_methods) + sizeof(std
 // A table entry larger than this is no table this ABI describes (entries grow a few fields at a
 // time); the stride of an array is its entries' own size, so it must be believable.
 constexpr std::uint32_t kMaxEntrySize = 1024;
+constexpr std::int32_t kMaxRetries = 100;  // twinkle::retry
 
 #if defined(__x86_64__)
 constexpr int kHostMachine = EM_X86_64;
@@ -399,6 +400,13 @@ MethodInfo read_method(const twk_method_v1& m, std::uint32_t j, const ClassInfo&
   }
   if (!m.invoke) throw PluginError(fmt::format("{} has no invoke function", mw));
   mi.invoke = code_or_fail(m.invoke, mw + " invoke function");
+  if (has_field<std::int32_t>(m.size, offsetof(twk_method_v1, retries))) {
+    if (m.retries < 0 || m.retries > kMaxRetries) {
+      throw PluginError(
+          fmt::format("{}: retry {} must be 0 to {}", mw, m.retries, kMaxRetries));
+    }
+    mi.retries = m.retries;
+  }
   return mi;
 }
 

@@ -22,6 +22,7 @@ struct MethodInfo {
   std::string custom_dispatch;
   std::string custom_collect;
   twk_invoke_fn invoke = nullptr;
+  int retries = 0;  // sent again after a restart of its group (twinkle::retry)
 };
 
 struct ClassInfo {

@@ -372,6 +372,13 @@ class JobReader {
         owner[r] = g.name;
         next_rank = std::max(next_rank, r + 1);
       }
+      if (g.recover.empty()) g.recover = job.checkpoint_dir.empty() ? "none" : "checkpoint";
+      if (g.recover == "checkpoint" && job.checkpoint_dir.empty()) {
+        throw ConfigError(fmt::format(
+            "{}: group \"{}\": recover = \"checkpoint\" needs job.checkpoint_dir (where the "
+            "checkpoints are)",
+            g.where.text, g.name));
+      }
       job.groups.push_back(std::move(g));
     }
 
@@ -531,7 +538,8 @@ class JobReader {
     g.where = SourceRef{where(t, path)};
     auto declared_name = t["name"].value<std::string>();
     check_keys(t, "[[group]]",
-               {"name", "ranks", "device", "gpus_per_worker", "mesh", "placement", "labels"},
+               {"name", "ranks", "device", "gpus_per_worker", "mesh", "placement", "labels",
+                "max_restarts", "restart", "restart_window_s", "recover"},
                declared_name ? "group." + *declared_name : path);
     const toml::node* name = t.get("name");
     if (!name)
@@ -630,7 +638,61 @@ class JobReader {
     } else {
       g.mesh = DeviceMesh::data_parallel(g.workers());
     }
+    read_restarts(t, gp, label, g);
     return g;
+  }
+
+  void read_restarts(const toml::table& t, const std::string& gp, const std::string& label,
+                     GroupSpec& g) const {
+    if (auto n = t.get("max_restarts")) {
+      g.max_restarts = get_int(*n, gp + ".max_restarts");
+      if (g.max_restarts < 0 || g.max_restarts > kMaxRestarts) {
+        fail(*n, gp + ".max_restarts",
+             fmt::format("{}: max_restarts must be 0 to {}, not {}", label, kMaxRestarts,
+                         g.max_restarts));
+      }
+    }
+    if (auto n = t.get("restart")) {
+      g.restart = get_string(*n, gp + ".restart");
+      if (g.restart == "worker") {
+        fail(*n, gp + ".restart",
+             fmt::format("{}: restart = \"worker\" (replacing only the lost ranks) is not "
+                         "available yet; use restart = \"group\", which replaces every worker "
+                         "of the group",
+                         label));
+      }
+      if (g.restart != "group") {
+        auto hint = closest_match(g.restart, {"group", "worker"});
+        fail(*n, gp + ".restart",
+             fmt::format("{}: restart must be \"group\", not \"{}\"{}", label, g.restart,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+    }
+    if (auto n = t.get("restart_window_s")) {
+      g.restart_window_s = get_number(*n, gp + ".restart_window_s");
+      if (!(g.restart_window_s > 0 && g.restart_window_s <= kMaxTimeoutS)) {
+        fail(*n, gp + ".restart_window_s",
+             fmt::format("{}: restart_window_s must be more than 0 and at most {:g} (7 days), "
+                         "not {}",
+                         label, kMaxTimeoutS, g.restart_window_s));
+      }
+    }
+    if (auto n = t.get("recover")) {
+      g.recover = get_string(*n, gp + ".recover");
+      if (g.recover == "peer") {
+        fail(*n, gp + ".recover",
+             fmt::format("{}: recover = \"peer\" (a live copy from a replica) is not available "
+                         "yet; use \"checkpoint\" or \"none\"",
+                         label));
+      }
+      if (g.recover != "checkpoint" && g.recover != "none") {
+        auto hint = closest_match(g.recover, {"checkpoint", "none", "peer"});
+        fail(*n, gp + ".recover",
+             fmt::format("{}: recover must be \"checkpoint\" or \"none\", not \"{}\"{}", label,
+                         g.recover,
+                         hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+    }
   }
 
   DeviceMesh read_mesh(const toml::table& t, const std::string& path, const std::string& label,

@@ -26,6 +26,7 @@ inline constexpr int kMaxGpusPerWorker = 1024;
 inline constexpr std::size_t kMaxGroupName = 64;  // [A-Za-z0-9_.-]{1,64}
 inline constexpr double kMaxTimeoutS = 7 * 86400.0;
 inline constexpr int kMaxCheckpointKeep = 1000;  // job.checkpoint_keep
+inline constexpr int kMaxRestarts = 1000;        // group.max_restarts
 
 std::string_view to_string(Mode m);
 std::string_view to_string(DeviceType d);
@@ -47,6 +48,15 @@ struct GroupSpec {
   std::map<std::string, std::string> labels;   // remote mode: nodes must carry all of them
   SourceRef where;                             // the [[group]] table
   SourceRef ranks_where;                       // its ranks key (or the table when absent)
+  // Restarts (docs/ARCHITECTURE.md, Restarts): how many times in restart_window_s the group's
+  // lost workers are replaced (0: a lost worker ends the run), how ("group": every worker of
+  // the group), and where a replacement's state comes from ("checkpoint": its part of the
+  // newest checkpoint; "none": it starts fresh). recover is "checkpoint" when the job has a
+  // checkpoint_dir and the key is absent.
+  int max_restarts = 0;
+  std::string restart = "group";
+  double restart_window_s = 600;
+  std::string recover;  // "" until the job is read: then "checkpoint" or "none"
 
   int workers() const { return static_cast<int>(ranks.size()); }
 };

@@ -54,9 +54,24 @@ std::string CallTable::lost_text(std::size_t peer, const std::string& reason) co
 
 void CallTable::on_lost(std::size_t peer, const std::string& reason) {
   if (peer >= workers_.size() || expecting_exits_ || lost_) return;
+  const std::size_t g = workers_[peer].group;
+  // The other workers of a group that is being restarted were stopped on purpose.
+  if (auto it = restarting_.find(g); it != restarting_.end() && !it->second.respawned) return;
+  std::string text = lost_text(peer, reason);
+  if (restarts_.decide) {
+    Restarts::Decision d = restarts_.decide(peer, text);
+    if (d.after) return begin_restart(g, text, *d.after);
+    if (!d.text.empty()) text = std::move(d.text);
+  }
+  lose(peer, std::move(text));
+}
+
+// The loss is final: every wait fails with it from now on.
+void CallTable::lose(std::size_t peer, std::string text) {
+  if (lost_) return;
   LostWorker l;
   l.peer = peer;
-  l.text = lost_text(peer, reason);
+  l.text = std::move(text);
   const WorkerInfo& w = workers_[peer];
   for (const auto& [id, c] : calls_) {
     if (c.released || c.group != w.group) continue;
@@ -68,6 +83,148 @@ void CallTable::on_lost(std::size_t peer, const std::string& reason) {
   }
   lost_ = std::move(l);
   if (on_first_loss_) on_first_loss_(peer, lost_->text);
+}
+
+void CallTable::throw_unobserved(std::size_t gi, const std::string& what) {
+  auto it = unobserved_.find(gi);
+  if (it == unobserved_.end()) return;
+  const Unobserved u = std::move(it->second);
+  unobserved_.erase(it);
+  throw CallError(fmt::format(
+      "{}{} failed: {}; group {} restarted {} (its instances were made again{})",
+      TWK_WORKER_LOST_TAG, what, u.text, groups_[gi].name,
+      u.failed_calls ? "before this call, and the caller had not seen it yet"
+                     : "while no call was waiting on it",
+      restarts_.recovered ? restarts_.recovered(gi) : std::string()));
+}
+
+void CallTable::send_to(std::size_t peer, Message m) {
+  if (auto it = restarting_.find(workers_[peer].group); it != restarting_.end()) {
+    it->second.deferred.emplace_back(peer, std::move(m));
+    return;
+  }
+  if (!restarts_.decide) return channel_.send(peer, m);
+  try {
+    channel_.send(peer, m);
+  } catch (const TransportError&) {
+    // The worker just died and its loss is on its way (the launcher saw it exit): what it was
+    // sent is failed, or sent again, when the loss is handled.
+  }
+}
+
+// A worker of `group` was lost and the group restarts: whatever waits on the group fails with
+// WorkerLost now (the SDK's twinkle::WorkerLost, by the tag), and what is sent to it from now on
+// waits until it is back.
+void CallTable::begin_restart(std::size_t gi, const std::string& text,
+                              std::chrono::milliseconds after) {
+  Restarting& r = restarting_[gi];  // a replacement lost before it was ready: again
+  r.respawned = false;
+  r.respawn_at = Clock::now() + after;
+  const GroupInfo& g = groups_[gi];
+  // Every restart reaches the caller once: through the calls it fails now or, when none was
+  // waiting, the caller's next call to the group (or checkpoint), so that a group's state never
+  // goes back to a checkpoint unnoticed.
+  bool reported = false;
+  for (auto it = calls_.begin(); it != calls_.end();) {
+    Call& c = it->second;
+    if (c.group != gi || c.answered == c.workers.size()) {
+      ++it;
+      continue;
+    }
+    if (c.retries_left > 0 && !c.released) {
+      // Sent again once the group is back, in submission order (calls_ is by id); still
+      // waiting to be sent after an earlier loss, it uses no retry.
+      const bool pending = std::any_of(r.deferred.begin(), r.deferred.end(),
+                                       [&](const auto& d) { return d.second.id == it->first; });
+      if (!pending) {
+        --c.retries_left;
+        c.results.assign(c.workers.size(), std::nullopt);
+        c.errors.clear();
+        c.answered = 0;
+        c.deadline = deadline_after(c.timeout_s);
+        for (const auto& m : c.sent) r.deferred.push_back(m);
+      }
+      ++it;
+      continue;
+    }
+    reported |= !c.released;
+    std::vector<std::string> done, open;
+    for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
+      (c.results[pos] || c.errors.count(pos) ? done : open)
+          .push_back(std::to_string(c.workers[pos]));
+    }
+    c.worker_lost = fmt::format(
+        "{}; group {} restarts. The call had finished on ranks [{}]; it may have run on ranks "
+        "[{}]",
+        text, g.name, fmt::join(done, ", "), fmt::join(open, ", "));
+    for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
+      if (c.results[pos] || c.errors.count(pos)) continue;
+      c.errors[pos] = *c.worker_lost;
+      ++c.answered;
+    }
+    if (c.released) {
+      it = calls_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // An instance being made is made on the replacements instead, once they are there: its
+  // constructor ran on none of them.
+  for (auto& [id, inst] : instances_) {
+    if (inst.group != gi || inst.made) continue;
+    inst.acks.clear();
+    std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == id; });
+    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
+    for (int w : inst.workers)
+      r.deferred.emplace_back(g.peers[static_cast<std::size_t>(w)], create);
+  }
+  if (saving_) reported = true;
+  // Until the caller has seen this restart (a WorkerLost from one of the calls failed here, or
+  // from its next call or checkpoint), its calls to the group fail: it made them for the state
+  // before the loss.
+  unobserved_[gi] = Unobserved{text, reported};
+  if (saving_) {
+    for (std::size_t p : g.peers) {
+      if (!saved_.count(p))
+        saved_.emplace(p, transport::proto::Saved{std::string(TWK_WORKER_LOST_TAG) + text, "", 0, 0});
+    }
+  }
+  for (std::size_t p : g.peers) {
+    workers_[p].ready = false;
+    workers_[p].completed = false;
+  }
+}
+
+// Starts the replacements of groups whose backoff has passed.
+void CallTable::advance_restarts() {
+  const auto now = Clock::now();
+  for (auto& [gi, r] : restarting_) {
+    if (r.respawned || now < r.respawn_at) continue;
+    r.respawned = true;
+    try {
+      restarts_.respawn(gi);
+    } catch (const Error& e) {
+      lose(groups_[gi].peers.front(),
+           fmt::format("group {} could not be restarted: {}", groups_[gi].name, e.what()));
+      return;
+    }
+  }
+}
+
+// Every replacement of `group` said hello: welcome them, make its instances again with the ids
+// (and so the handles) they had, then send what waited.
+void CallTable::finish_restart(std::size_t gi) {
+  Restarting r = std::move(restarting_.at(gi));
+  restarting_.erase(gi);
+  for (std::size_t p : groups_[gi].peers) send_to(p, Message{0, welcome_(workers_[p])});
+  for (auto& [id, inst] : instances_) {
+    if (inst.group != gi || !inst.made) continue;
+    inst.acks.clear();
+    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
+    for (int w : inst.workers) send_to(groups_[gi].peers[static_cast<std::size_t>(w)], create);
+  }
+  for (auto& [peer, m] : r.deferred) send_to(peer, std::move(m));
+  if (restarts_.back) restarts_.back(gi);
 }
 
 std::vector<std::size_t> CallTable::waiting_peers() const {
@@ -101,6 +258,9 @@ void CallTable::on_event(ChannelEvent& e) {
   if (e.kind != ChannelEvent::Kind::message || e.peer >= workers_.size()) return;
   WorkerInfo& w = workers_[e.peer];
   Message& m = e.message;
+  // Until a restarting group is back, only its new workers' hellos count: anything else comes
+  // from the processes being replaced (a retried call gets the answers of its new run).
+  if (restarting_.count(w.group) && !m.get<transport::proto::Hello>()) return;
   if (auto* hello = m.get<transport::proto::Hello>()) {
     // The channel knows the peer by its identity; a hello that names another worker is not its.
     if (w.ready || hello->name != w.name) return;
@@ -108,9 +268,19 @@ void CallTable::on_event(ChannelEvent& e) {
     w.host = std::move(hello->host);
     w.serve = std::move(hello->serve);
     w.ready = true;
+    if (auto it = restarting_.find(w.group); it != restarting_.end() && it->second.respawned) {
+      const auto& peers = groups_[w.group].peers;
+      if (std::all_of(peers.begin(), peers.end(), [&](std::size_t p) { return workers_[p].ready; }))
+        finish_restart(w.group);
+    }
   } else if (auto* created = m.get<transport::proto::Created>()) {
     auto inst = instances_.find(m.id);
     if (inst == instances_.end()) return;
+    // A replacement that cannot make an instance again is lost too (before it was ready).
+    if (inst->second.made && created->error) {
+      return on_lost(e.peer, fmt::format("could not make its {} again after the restart: {}",
+                                         inst->second.cls->name, *created->error));
+    }
     inst->second.acks[w.index] = std::move(created->error);
   } else if (auto* saved = m.get<transport::proto::Saved>()) {
     if (m.id == saving_ && saving_ != 0) saved_.emplace(e.peer, std::move(*saved));
@@ -122,6 +292,7 @@ void CallTable::on_event(ChannelEvent& e) {
         std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
     if (c.group != w.group || pos >= c.workers.size() || c.results[pos] || c.errors.count(pos))
       return;
+    w.completed = true;
     if (reply->error) {
       c.errors[pos] = std::move(*reply->error);
     } else {
@@ -133,6 +304,13 @@ void CallTable::on_event(ChannelEvent& e) {
 }
 
 bool CallTable::pump(std::chrono::milliseconds timeout) {
+  advance_restarts();
+  for (const auto& [gi, r] : restarting_) {
+    if (r.respawned) continue;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r.respawn_at - Clock::now()) +
+                      std::chrono::milliseconds(1);
+    if (timeout.count() < 0 || left < timeout) timeout = std::max(left, std::chrono::milliseconds(0));
+  }
   auto e = channel_.next(timeout);
   if (!e) return false;
   on_event(*e);
@@ -181,6 +359,7 @@ void CallTable::start(std::chrono::milliseconds timeout,
     }
     pump(left);
   }
+  welcome_ = welcome;
   for (std::size_t i = 0; i < workers_.size(); ++i)
     channel_.send(i, Message{0, welcome(workers_[i])});
 }
@@ -203,8 +382,9 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
     throw CallError(fmt::format("{}: {}", what, e.what()));
   }
   inst.whole = inst.workers.size() == g.peers.size();
+  inst.args = args;
   const Message create{id, transport::proto::Create{cls.name, args, chain}};
-  for (int w : inst.workers) channel_.send(g.peers[static_cast<std::size_t>(w)], create);
+  for (int w : inst.workers) send_to(g.peers[static_cast<std::size_t>(w)], create);
   const auto deadline = deadline_after(timeout_s_);
   while (inst.acks.size() < inst.workers.size()) {
     check_failed(what);
@@ -227,6 +407,7 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
           fmt::format("{} constructor failed on {}: {}", cls.name, worker_label(gi, index), *e));
     }
   }
+  inst.made = true;
   return id;
 }
 
@@ -234,12 +415,16 @@ std::vector<transport::proto::Saved> CallTable::save(
     const transport::proto::Save& save, const std::function<std::string(std::size_t)>& file) {
   const std::string what = fmt::format("checkpoint of step {}", save.step);
   check_failed(what);
+  if (restarts_.decide) {
+    drain();
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) throw_unobserved(gi, what);
+  }
   saving_ = ++next_id_;
   saved_.clear();
   for (std::size_t p = 0; p < workers_.size(); ++p) {
     transport::proto::Save s = save;
     s.file = file(p);
-    channel_.send(p, Message{saving_, std::move(s)});
+    send_to(p, Message{saving_, std::move(s)});
   }
   const auto deadline = deadline_after(timeout_s_);
   while (saved_.size() < workers_.size()) {
@@ -262,6 +447,11 @@ std::vector<transport::proto::Saved> CallTable::save(
   std::vector<transport::proto::Saved> out;
   for (std::size_t p = 0; p < workers_.size(); ++p) {
     auto& s = saved_.at(p);
+    if (s.error && s.error->starts_with(TWK_WORKER_LOST_TAG)) {
+      unobserved_.erase(workers_[p].group);  // the caller sees the restart now
+      throw CallError(fmt::format("{}{} failed: {}", TWK_WORKER_LOST_TAG, what,
+                                  s.error->substr(std::string_view(TWK_WORKER_LOST_TAG).size())));
+    }
     if (s.error) {
       const WorkerInfo& w = workers_[p];
       throw CallError(
@@ -307,6 +497,10 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   check_failed(what);
   const std::size_t gi = inst->second.group;
   const GroupInfo& g = groups_[gi];
+  if (restarts_.decide) {
+    drain();  // a loss that came meanwhile is seen by this call
+    if (m->retries == 0) throw_unobserved(gi, what);
+  }
 
   Call c;
   c.what = what;
@@ -357,10 +551,13 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   c.timeout_s = m->timeout_s > 0 ? m->timeout_s : timeout_s_;
   c.deadline = deadline_after(c.timeout_s);
   const std::uint64_t id = ++next_id_;
+  c.retries_left = restarts_.decide ? m->retries : 0;
   for (std::size_t i = 0; i < c.workers.size(); ++i) {
-    channel_.send(g.peers[static_cast<std::size_t>(c.workers[i])],
-                  Message{id, transport::proto::Call{instance, m->name, caller,
-                                                     std::move(per_worker[i]), chain}});
+    Message msg{id, transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]),
+                                           chain}};
+    const std::size_t peer = g.peers[static_cast<std::size_t>(c.workers[i])];
+    if (c.retries_left > 0) c.sent.emplace_back(peer, msg);
+    send_to(peer, std::move(msg));
   }
   calls_.emplace(id, std::move(c));
   return id;
@@ -402,6 +599,10 @@ EncodedValue CallTable::wait(std::uint64_t future) {
   }
   Call c = std::move(it->second);
   calls_.erase(it);
+  if (c.worker_lost) {
+    unobserved_.erase(c.group);  // the caller sees the restart now
+    throw CallError(fmt::format("{}{} failed: {}", TWK_WORKER_LOST_TAG, prefix, *c.worker_lost));
+  }
   if (!c.errors.empty()) {
     const auto& [pos, e] = *c.errors.begin();
     std::string msg =

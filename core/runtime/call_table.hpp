@@ -36,6 +36,7 @@ struct WorkerInfo {
   std::string host;
   std::string serve;  // where it serves calls from other workers (its hello)
   bool ready = false;
+  bool completed = false;  // answered a call since it started (restarts: crash loops)
 };
 
 // A group as the call table knows it.
@@ -49,6 +50,24 @@ struct GroupInfo {
 struct CustomFunctions {
   std::function<twk_dispatch_fn(std::string_view)> dispatcher;
   std::function<twk_collect_fn(std::string_view)> collector;
+};
+
+// How a group whose worker was lost comes back (docs/ARCHITECTURE.md, Restarts). The driver's
+// table has these; without them every loss is final.
+struct Restarts {
+  struct Decision {
+    std::optional<std::chrono::milliseconds> after;  // restart the group after this; none: final
+    std::string text;                                // final: the loss as the run reports it
+  };
+  // The loss of `peer` (`text`: "worker model:2 (host h, pid 9) was killed by signal 9"):
+  // whether its group restarts.
+  std::function<Decision(std::size_t peer, const std::string& text)> decide;
+  // Replaces every worker of the group (the launcher). Throws Error when it cannot.
+  std::function<void(std::size_t group)> respawn;
+  // The group is back: every worker welcomed, its instances made again.
+  std::function<void(std::size_t group)> back;
+  // ", with the state of the checkpoint of step 11" or ", without state": for messages.
+  std::function<std::string(std::size_t group)> recovered;
 };
 
 // The first worker the run lost while it still needed it.
@@ -110,6 +129,9 @@ class CallTable {
   void cancel(std::string reason);
   // Lost workers are no longer failures (orderly shutdown).
   void expect_exits() { expecting_exits_ = true; }
+  void set_restarts(Restarts r) { restarts_ = std::move(r); }
+  // Whether `group` is being restarted now.
+  bool restarting(std::size_t group) const { return restarting_.count(group) > 0; }
   // Called once with the first lost worker (peer, text): the driver tells the other workers.
   void on_first_loss(std::function<void(std::size_t, const std::string&)> f) {
     on_first_loss_ = std::move(f);
@@ -139,6 +161,8 @@ class CallTable {
     std::vector<int> workers;                        // where it lives (worker indices)
     bool whole = true;                               // on every worker of the group
     std::map<int, std::optional<std::string>> acks;  // worker index -> error (nullopt: ok)
+    EncodedValue args;  // its constructor's, to make it again when its group restarts
+    bool made = false;  // constructed on every worker
   };
   struct Call {
     std::string what;    // "Model.train_step"
@@ -152,10 +176,27 @@ class CallTable {
     double timeout_s = 0;
     std::chrono::steady_clock::time_point deadline;
     bool released = false;
+    std::optional<std::string> worker_lost;  // its group restarted before every answer came
+    int retries_left = 0;                    // twinkle::retry
+    std::vector<std::pair<std::size_t, transport::Message>> sent;  // with retries: what to resend
+  };
+  // A group between the loss of a worker and its replacements' welcome.
+  struct Restarting {
+    std::chrono::steady_clock::time_point respawn_at;
+    bool respawned = false;
+    std::vector<std::pair<std::size_t, transport::Message>> deferred;  // sent once it is back
   };
 
   void on_event(transport::ChannelEvent& e);
   void on_lost(std::size_t peer, const std::string& reason);
+  void lose(std::size_t peer, std::string text);
+  void begin_restart(std::size_t group, const std::string& text, std::chrono::milliseconds after);
+  void advance_restarts();
+  void finish_restart(std::size_t group);
+  // Sends now, or once `peer`'s group is back when it is restarting.
+  void send_to(std::size_t peer, transport::Message m);
+  // Throws WorkerLost for a restart of `group` that the caller has not seen yet.
+  void throw_unobserved(std::size_t group, const std::string& what);
   void check_failed(const std::string& what) const;
   std::string lost_text(std::size_t peer, const std::string& reason) const;
   EncodedValue collect(Call& c, const std::string& prefix);
@@ -175,6 +216,15 @@ class CallTable {
   std::uint64_t in_wait_ = 0;  // the call that wait() waits for (0: none)
   std::optional<LostWorker> lost_;
   std::function<void(std::size_t, const std::string&)> on_first_loss_;
+  Restarts restarts_;
+  std::map<std::size_t, Restarting> restarting_;  // by group
+  // Restarts the caller has not seen yet, by group: the loss, and whether calls were failed.
+  struct Unobserved {
+    std::string text;
+    bool failed_calls = false;
+  };
+  std::map<std::size_t, Unobserved> unobserved_;
+  std::function<transport::proto::Welcome(const WorkerInfo&)> welcome_;
   std::string caller_label_ = "driver caller";
   std::optional<std::string> cancelled() const;
 

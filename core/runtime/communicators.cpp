@@ -65,7 +65,7 @@ transport::Communicator& Communicators::get(const std::string& dim) {
   if (auto cross = cross_.find(dim); cross != cross_.end()) {
     meet(dim, cross->second, config);
   } else if (dim.empty()) {
-    config.name = fmt::format("{}/all", s.group);
+    config.name = fmt::format("{}/all", group_key());
     config.rank = s.rank;
     config.size = s.world;
   } else {
@@ -79,7 +79,7 @@ transport::Communicator& Communicators::get(const std::string& dim) {
     for (std::size_t i = 0; i < groups.size(); ++i) {
       auto at = std::find(groups[i].begin(), groups[i].end(), s.rank);
       if (at == groups[i].end()) continue;
-      config.name = fmt::format("{}/{}/{}", s.group, dim, i);
+      config.name = fmt::format("{}/{}/{}", group_key(), dim, i);
       config.rank = static_cast<int>(at - groups[i].begin());
       config.size = static_cast<int>(groups[i].size());
     }

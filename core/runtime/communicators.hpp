@@ -30,6 +30,7 @@ struct CommunicatorSetup {
   std::string kv_endpoint;  // the run's rendezvous store
   transport::SocketSecurity security;
   std::string node_ip;  // remote workers: the address Gloo binds to ("": loopback)
+  int generation = 0;   // restarts of the group: a restarted group's rendezvous keys are new
 };
 
 class Communicators {
@@ -50,6 +51,11 @@ class Communicators {
   void clear() { comms_.clear(); }
 
  private:
+  // The group's name in rendezvous keys: "model", "model@2" after its second restart.
+  std::string group_key() const {
+    return setup_.generation ? setup_.group + "@" + std::to_string(setup_.generation)
+                             : setup_.group;
+  }
   struct Cross {
     int rank = 0;
     std::vector<std::string> members;  // "group:index" by rank

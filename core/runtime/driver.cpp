@@ -12,6 +12,8 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -108,6 +110,7 @@ class JobRun : public HostOps {
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
     const std::string resume_note = choose_resume();
+    check_restarts();
     if (!place_ranks()) {
       std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
                    signal_name(signal_.load()));
@@ -443,6 +446,7 @@ class JobRun : public HostOps {
                            [this](std::string_view n) { return plugin_->find_collector(n); }};
     table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
                                          std::move(custom), job_.timeout_s);
+    set_up_restarts();
     // The other workers learn of a lost one at once: their calls to it fail instead of waiting.
     table_->on_first_loss([this](std::size_t lost, const std::string& text) {
       for (std::size_t i = 0; i < table_->workers().size(); ++i) {
@@ -561,11 +565,13 @@ class JobRun : public HostOps {
     out.kv = kv_->endpoint();
     out.collectives = collectives_;
     out.timeout_s = job_.timeout_s;
-    if (resume_) {
-      proto::ResumePart part{"", "", resume_->manifest.step};
-      for (const auto& p : resume_->manifest.parts) {
+    out.generation = generation_.empty() ? 0 : generation_[w.group];
+    const auto& from = out.generation ? restart_resume_[w.group] : resume_;
+    if (from) {
+      proto::ResumePart part{"", "", from->manifest.step};
+      for (const auto& p : from->manifest.parts) {
         if (p.worker != w.name) continue;
-        part.file = (resume_->dir / p.file).string();
+        part.file = (from->dir / p.file).string();
         part.sha256 = p.sha256;
       }
       out.resume = std::move(part);
@@ -672,6 +678,140 @@ class JobRun : public HostOps {
     signal_thread_.join();
   }
 
+  // ----- restarts (docs/ARCHITECTURE.md, Restarts) --------------------------------------------
+
+  void check_restarts() const {
+    for (const auto& g : job_.groups) {
+      if (g.max_restarts > 0 && job_.mode == Mode::remote) {
+        throw ConfigError(fmt::format(
+            "{}: group \"{}\": max_restarts works in local mode so far; in remote mode a lost "
+            "worker ends the run (set max_restarts = 0, or run the job locally)",
+            g.where.text, g.name));
+      }
+    }
+  }
+
+  void set_up_restarts() {
+    const auto& groups = table_->groups();
+    generation_.assign(groups.size(), 0);
+    restart_times_.assign(groups.size(), {});
+    restart_resume_.assign(groups.size(), std::nullopt);
+    std::vector<bool> restartable(table_->workers().size(), false);
+    bool any = false;
+    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+      if (job_.groups[gi].max_restarts == 0) continue;
+      any = true;
+      for (std::size_t p : groups[gi].peers) restartable[p] = true;
+    }
+    if (!any) return;
+    launcher_->set_restartable(std::move(restartable));
+    table_->set_restarts(Restarts{[this](std::size_t peer, const std::string& text) {
+                                    return decide_restart(peer, text);
+                                  },
+                                  [this](std::size_t g) { respawn(g); },
+                                  [this](std::size_t g) { group_back(g); },
+                                  [this](std::size_t g) { return recovered_from(g); }});
+  }
+
+  // Whether the loss of `peer` restarts its group: the group's budget in its window, and no
+  // rank that keeps dying before it completes a call.
+  Restarts::Decision decide_restart(std::size_t peer, const std::string& text) {
+    const WorkerInfo& w = table_->workers()[peer];
+    const GroupSpec& spec = job_.groups.at(w.group);
+    if (spec.max_restarts == 0) return {};
+    const auto now = std::chrono::steady_clock::now();
+    const auto window = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(spec.restart_window_s));
+    auto& deaths = early_deaths_[peer];
+    if (w.completed) deaths.clear();
+    deaths.push_back(now);
+    while (!deaths.empty() && deaths.front() < now - window) deaths.pop_front();
+    if (deaths.size() >= kCrashLoopDeaths) {
+      return {std::nullopt,
+              fmt::format("rank {} of group {} died {} times in {:.0f} s before completing a call "
+                          "(a crash loop; no more restarts): {}",
+                          w.index, spec.name, deaths.size(),
+                          std::chrono::duration<double>(now - deaths.front()).count(), text)};
+    }
+    auto& times = restart_times_[w.group];
+    while (!times.empty() && times.front() < now - window) times.pop_front();
+    if (static_cast<int>(times.size()) >= spec.max_restarts) {
+      return {std::nullopt,
+              fmt::format("{}; group {} has no restarts left ({} in the last {:g} s: "
+                          "max_restarts = {})",
+                          text, spec.name, times.size(), spec.restart_window_s, spec.max_restarts)};
+    }
+    // The first restart at once, then 1 s doubling to 30 s.
+    const auto after = std::chrono::milliseconds(
+        times.empty() ? 0 : std::min<std::int64_t>(30'000, std::int64_t{1000} << std::min<std::size_t>(times.size() - 1, 5)));
+    times.push_back(now);
+    ++generation_[w.group];
+    restart_log_.push_back(
+        RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group]});
+    std::fflush(stdout);
+    std::fprintf(stderr, "twinkle: restarting group %s (restart %zu of %d in %g s)%s: %s\n",
+                 spec.name.c_str(), times.size(), spec.max_restarts, spec.restart_window_s,
+                 after.count() ? fmt::format(" in {:g} s", after.count() / 1000.0).c_str() : "",
+                 text.substr(0, text.find('\n')).c_str());
+    std::fflush(stderr);
+    return {std::optional<std::chrono::milliseconds>(after), ""};
+  }
+
+  // Replaces every worker of group `g`; with recover = "checkpoint" they get their parts of the
+  // newest checkpoint of this run (or of the one it resumed from).
+  void respawn(std::size_t g) {
+    book_.reset();  // pids and serve endpoints change
+    restart_resume_[g].reset();
+    if (job_.groups[g].recover == "checkpoint") {
+      auto n = checkpoint::newest(checkpoint_root());
+      if (n && (n->manifest.run_id == run_id_ || (resume_ && n->dir == resume_->dir)))
+        restart_resume_[g] = std::move(n);
+    }
+    const std::string count = std::to_string(generation_[g]);
+    launcher_->restart(table_->groups()[g].peers,
+                       {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
+  }
+
+  std::string recovered_from(std::size_t g) const {
+    if (job_.groups[g].recover != "checkpoint") return ", without state";
+    if (restart_resume_[g])
+      return fmt::format(", with the state of the checkpoint of step {}",
+                         restart_resume_[g]->manifest.step);
+    return ", without state: no checkpoint yet";
+  }
+
+  void group_back(std::size_t g) {
+    const std::string& name = table_->groups()[g].name;
+    for (auto it = restart_log_.rbegin(); it != restart_log_.rend(); ++it) {
+      if (it->group != name || it->recovered_s) continue;
+      it->recovered_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - it->lost_at).count();
+      std::fflush(stdout);
+      std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss%s)\n",
+                   name.c_str(), it->number, *it->recovered_s,
+                   restart_resume_[g] ? fmt::format(", from the checkpoint of step {}",
+                                                    restart_resume_[g]->manifest.step)
+                                            .c_str()
+                                      : ", without state");
+      std::fflush(stderr);
+      break;
+    }
+  }
+
+  // The restarts of the run, for the end: one line each.
+  void print_restarts() const {
+    if (restart_log_.empty()) return;
+    std::fflush(stdout);
+    std::fprintf(stderr, "twinkle: %zu restart(s) in this run:\n", restart_log_.size());
+    for (const auto& r : restart_log_) {
+      std::fprintf(stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
+                   r.cause.substr(0, r.cause.find('\n')).c_str(),
+                   r.recovered_s ? fmt::format("back in {:.2f} s", *r.recovered_s).c_str()
+                                 : "not back");
+    }
+    std::fflush(stderr);
+  }
+
   // ----- the end ----------------------------------------------------------------------------
 
   // The driver entry returned after a stop request: say where the run stands and how to go on.
@@ -697,6 +837,7 @@ class JobRun : public HostOps {
 
   RunResult finish(bool ok, const std::string& error) {
     driver_returned();
+    print_restarts();
     if (const int sig = signal_.load()) {
       if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
       std::fflush(stdout);
@@ -763,6 +904,21 @@ class JobRun : public HostOps {
   std::optional<std::int64_t> last_step_;
   std::atomic<bool> stop_requested_{false};
   std::atomic<int> stop_signal_{0};
+  // Restarts.
+  struct RestartRecord {
+    std::string group;
+    int rank = 0;
+    std::string cause;  // the loss's text
+    std::chrono::steady_clock::time_point lost_at;
+    std::optional<double> recovered_s;  // until the group was back
+    int number = 0;                     // the group's generation it started
+  };
+  static constexpr std::size_t kCrashLoopDeaths = 3;
+  std::vector<RestartRecord> restart_log_;
+  std::vector<int> generation_;  // by group
+  std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
+  std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;
+  std::vector<std::optional<checkpoint::Found>> restart_resume_;  // by group
   std::mutex returned_mu_;
   std::condition_variable returned_cv_;
   bool returned_ = false;

@@ -8,7 +8,13 @@
 
 #include <fmt/format.h>
 
+#include "twinkle/errors.hpp"
+
 namespace twinkle::core {
+
+void Launcher::restart(const std::vector<std::size_t>&, const std::vector<std::string>&) {
+  throw Error("this launcher cannot restart workers (restarts work in local mode)");
+}
 
 LocalLauncher::LocalLauncher(LocalLaunchOptions options, transport::LocalDriverChannel& channel)
     : options_(std::move(options)),
@@ -19,32 +25,90 @@ LocalLauncher::LocalLauncher(LocalLaunchOptions options, transport::LocalDriverC
 LocalLauncher::~LocalLauncher() { stop(std::chrono::milliseconds(0)); }
 
 void LocalLauncher::start(const std::vector<WorkerLaunch>& workers) {
-  const std::string parent = std::to_string(::getpid());
   // All names first: the spawner's thread reads them when a worker ends, even during this loop.
   for (const auto& w : workers) names_.push_back(w.name);
+  launches_ = workers;
+  restartable_.resize(workers.size(), false);
+  {
+    std::lock_guard lock(pids_mu_);
+    pids_.assign(workers.size(), 0);
+  }
   for (std::size_t i = 0; i < workers.size(); ++i) {
-    ProcessSpec spec;
-    spec.name = workers[i].name;
-    spec.argv = {options_.exe.string(),
-                 "worker",
-                 "--endpoint",
-                 channel_.endpoint(),
-                 "--plugin",
-                 options_.plugin.string(),
-                 "--run-dir",
-                 options_.run_dir.string()};
-    spec.env = workers[i].env;
-    // The worker sets its parent-death signal itself and checks that its parent is still this
-    // process (posix_spawn cannot set it).
-    spec.env.push_back("TWINKLE_PARENT_PID=" + parent);
-    spec.env.push_back("TWINKLE_SHM_FD=3");
-    spec.inherit.emplace_back(channel_.take_worker_end(i), 3);
-    spawner_.spawn(std::move(spec));
+    const pid_t pid = spawn(i, workers[i].env);
+    std::lock_guard lock(pids_mu_);
+    if (!pids_[i]) pids_[i] = pid;
+  }
+}
+
+pid_t LocalLauncher::spawn(std::size_t peer, std::vector<std::string> env) {
+  ProcessSpec spec;
+  spec.name = names_[peer];
+  spec.argv = {options_.exe.string(),
+               "worker",
+               "--endpoint",
+               channel_.endpoint(),
+               "--plugin",
+               options_.plugin.string(),
+               "--run-dir",
+               options_.run_dir.string()};
+  spec.env = std::move(env);
+  // The worker sets its parent-death signal itself and checks that its parent is still this
+  // process (posix_spawn cannot set it).
+  spec.env.push_back("TWINKLE_PARENT_PID=" + std::to_string(::getpid()));
+  spec.env.push_back("TWINKLE_SHM_FD=3");
+  spec.inherit.emplace_back(channel_.take_worker_end(peer), 3);
+  return spawner_.spawn(std::move(spec));
+}
+
+void LocalLauncher::restart(const std::vector<std::size_t>& peers,
+                            const std::vector<std::string>& env) {
+  for (std::size_t p : peers) {
+    pid_t old = 0;
+    {
+      std::lock_guard lock(pids_mu_);
+      old = std::exchange(pids_.at(p), 0);
+      if (old > 0) replaced_.insert(old);  // its exit, whenever it comes, is not a loss
+    }
+    if (old > 0) ::kill(old, SIGKILL);
+  }
+  for (std::size_t p : peers) {
+    channel_.renew_worker_end(p);
+    std::vector<std::string> e = launches_.at(p).env;
+    for (const auto& kv : env) {
+      const std::string key = kv.substr(0, kv.find('=') + 1);
+      std::erase_if(e, [&](const std::string& x) { return x.starts_with(key); });
+      e.push_back(kv);
+    }
+    const pid_t pid = spawn(p, std::move(e));
+    std::lock_guard lock(pids_mu_);
+    if (!pids_[p]) pids_[p] = pid;
   }
 }
 
 void LocalLauncher::on_exit(const ProcessExit& e) {
-  if (expecting_exits_ || failed_.exchange(true)) return;
+  if (expecting_exits_) return;
+  const auto peer =
+      static_cast<std::size_t>(std::find(names_.begin(), names_.end(), e.name) - names_.begin());
+  if (peer < names_.size()) {
+    std::lock_guard lock(pids_mu_);
+    if (replaced_.erase(e.pid)) return;  // a process that a restart replaced
+    // An exit that raced its own spawn() returning: that is the current process.
+    if (pids_[peer] == 0) pids_[peer] = e.pid;
+    if (pids_[peer] != e.pid) return;
+  }
+  if (peer < restartable_.size() && restartable_[peer]) {
+    std::fprintf(stderr, "twinkle: worker %s (pid %d) %s\n", e.name.c_str(), e.pid,
+                 e.describe().c_str());
+    std::fflush(stderr);
+    std::string reason = e.describe();
+    if (!e.last_stderr.empty()) {
+      reason += "; its last stderr lines:";
+      for (const auto& l : e.last_stderr) reason += "\n    | " + l;
+    }
+    channel_.lost(peer, std::move(reason));
+    return;
+  }
+  if (failed_.exchange(true)) return;
   std::fprintf(stderr, "twinkle: worker %s (pid %d) %s; stopping the other workers\n",
                e.name.c_str(), e.pid, e.describe().c_str());
   std::fflush(stderr);
@@ -54,8 +118,7 @@ void LocalLauncher::on_exit(const ProcessExit& e) {
     reason += "; its last stderr lines:";
     for (const auto& l : e.last_stderr) reason += "\n    | " + l;
   }
-  const auto peer = std::find(names_.begin(), names_.end(), e.name) - names_.begin();
-  channel_.lost(static_cast<std::size_t>(peer), std::move(reason));
+  channel_.lost(peer, std::move(reason));
 }
 
 std::vector<std::string> LocalLauncher::stop(std::chrono::milliseconds grace) {

@@ -7,7 +7,9 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,15 @@ class Launcher {
   virtual std::vector<std::string> stop(std::chrono::milliseconds grace) = 0;
   // Async-signal-safe: kills every worker now.
   virtual void kill_now() const noexcept = 0;
+
+  // Restarts (docs/ARCHITECTURE.md, Restarts). Peers marked here belong to groups that restart:
+  // losing one is reported like any loss, but the other workers are not stopped (the driver
+  // decides). Before start().
+  virtual void set_restartable(std::vector<bool> by_peer) { (void)by_peer; }
+  // Replaces the processes of `peers` (SIGKILLing those that still run; their exits are not
+  // reported) with new ones, started as before with `env` added. Throws Error when one cannot
+  // start, or where this launcher cannot restart workers.
+  virtual void restart(const std::vector<std::size_t>& peers, const std::vector<std::string>& env);
 };
 
 // What a remote-mode run gets from its cluster (docs/ARCHITECTURE.md, Remote mode). core/cluster
@@ -94,13 +105,21 @@ class LocalLauncher : public Launcher {
   void expect_exits() override { expecting_exits_ = true; }
   std::vector<std::string> stop(std::chrono::milliseconds grace) override;
   void kill_now() const noexcept override { spawner_.signal_all(SIGKILL); }
+  void set_restartable(std::vector<bool> by_peer) override { restartable_ = std::move(by_peer); }
+  void restart(const std::vector<std::size_t>& peers, const std::vector<std::string>& env) override;
 
  private:
   void on_exit(const ProcessExit& e);
+  pid_t spawn(std::size_t peer, std::vector<std::string> env);
 
   LocalLaunchOptions options_;
   transport::LocalDriverChannel& channel_;
   std::vector<std::string> names_;  // by peer; fixed before the first worker starts
+  std::vector<WorkerLaunch> launches_;
+  std::vector<bool> restartable_;   // by peer
+  mutable std::mutex pids_mu_;
+  std::vector<pid_t> pids_;  // by peer: its current process (0: not known yet)
+  std::set<pid_t> replaced_;  // processes a restart replaced: their exits are not losses
   std::atomic<bool> expecting_exits_{false};
   std::atomic<bool> failed_{false};
   Spawner spawner_;  // last: its monitor thread calls on_exit until it is destroyed

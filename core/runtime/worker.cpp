@@ -223,7 +223,8 @@ class Worker : public HostOps {
       timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->timeout_s * 1000));
       comms_ = std::make_unique<Communicators>(
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
-                                  timeout_, welcome->kv, security_, node_ip_});
+                                  timeout_, welcome->kv, security_, node_ip_,
+                                  welcome->generation});
       peers_from(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
         resume_step_ = welcome->resume->step;

@@ -15,7 +15,8 @@ bool owned(const std::string& kv) {
   if (kv.starts_with("TWINKLE_TEST_")) return false;
   static const char* kOwned[] = {
       "RANK=",        "LOCAL_RANK=",  "WORLD_SIZE=",           "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
-      "MASTER_ADDR=", "MASTER_PORT=", "CUDA_VISIBLE_DEVICES=", "TWINKLE_"};
+      "MASTER_ADDR=", "MASTER_PORT=", "CUDA_VISIBLE_DEVICES=", "TWINKLE_",
+      "TORCHELASTIC_RESTART_COUNT="};
   return std::any_of(std::begin(kOwned), std::end(kOwned),
                      [&](const char* k) { return kv.starts_with(k); });
 }
@@ -62,6 +63,9 @@ std::vector<std::string> worker_env(const std::vector<std::string>& base,
   set("TWINKLE_MODE", std::string(to_string(run.mode)));
   set("TWINKLE_SEED", std::to_string(run.seed));
   set("TWINKLE_RUN_ID", run.run_id);
+  // Restarts replace these (torchrun programs read the second).
+  set("TWINKLE_RESTART_COUNT", "0");
+  set("TORCHELASTIC_RESTART_COUNT", "0");
   if (!has_omp) set("OMP_NUM_THREADS", "1");
   return env;
 }

@@ -12,6 +12,12 @@
 // `twinkle run --resume` continues from the newest and ends with the same final loss, bit for
 // bit, as a run that was never stopped. On SIGTERM or SIGUSR1 the driver finishes the epoch,
 // checkpoints and returns (the run exits with 75).
+//
+// Restarts: with [[group]] max_restarts, a lost worker restarts the model group from the newest
+// checkpoint; the driver gets twinkle::WorkerLost, asks the group which epoch its state is at and
+// goes on from there, so no step is applied twice or lost. args.fail_at = "GROUP:RANK:EPOCH" makes
+// that rank abort in that epoch, in its first life only ("GROUP:RANK:EPOCH:always": in every
+// life; EPOCH 0: in its constructor, every life): for the tests.
 #include <twinkle/plugin.hpp>
 
 #include <zlib.h>
@@ -119,6 +125,7 @@ class Mlp {
       : hidden_(args[0]["hidden"].as<int>()),
         lr_(args[0]["lr"].as<double>()),
         momentum_(args[0]["momentum"].as<double>()) {
+    if (args[0].contains("fail_at")) fail_at(ctx, args[0]["fail_at"].as<std::string>());
     // The same seed everywhere: the replicas start equal and stay equal.
     std::mt19937_64 rng(static_cast<std::uint64_t>(args[0]["seed"].as<std::int64_t>()));
     auto init = [&](std::vector<double>& w, int fan_in, int fan_out) {
@@ -150,6 +157,7 @@ class Mlp {
   // Forward and backward on this worker's slice; the sums of all slices are added with
   // all_reduce, then every replica takes the same step. Returns the global batch's mean loss.
   Value train_step(Context& ctx, const Tensor& x, const Tensor& y) {
+    if (fail_epoch_ > 0 && epoch_ + 1 == fail_epoch_) std::abort();  // args.fail_at, for tests
 #ifdef DIGITS_HAVE_CUDA
     if (cuda_) {
       double* grad = cuda_->gradients(x.span<float>().data(), y.span<std::int64_t>().data(),
@@ -172,14 +180,21 @@ class Mlp {
     return Value::map({{"loss", grad[size()] / n}, {"rows", static_cast<std::int64_t>(n)}});
   }
 
-  // The replica's state for checkpoints: parameters and velocities.
+  // The epochs this replica has trained (the driver says when one is done).
+  void finish_epoch(Context&, int epoch) { epoch_ = epoch; }
+  int epoch(Context&) { return epoch_; }
+
+  // The replica's state for checkpoints: parameters, velocities and the epochs done.
   Value save(Context&) {
 #ifdef DIGITS_HAVE_CUDA
     if (cuda_) cuda_->download(params_, velocity_);
 #endif
-    return Value::map({{"params", Tensor::from(params_)}, {"velocity", Tensor::from(velocity_)}});
+    return Value::map({{"params", Tensor::from(params_)},
+                       {"velocity", Tensor::from(velocity_)},
+                       {"epoch", epoch_}});
   }
   void load(Context&, const Value& state) {
+    epoch_ = state["epoch"].as<int>();
     auto params = state["params"].tensor().span<double>();
     auto velocity = state["velocity"].tensor().span<double>();
     if (params.size() != size() || velocity.size() != size()) {
@@ -214,6 +229,23 @@ class Mlp {
   }
 
  private:
+  // args.fail_at = "GROUP:RANK:EPOCH[:always]" for this rank: abort in that epoch, in the first
+  // life only or in every life (EPOCH 0: in the constructor, every life: a crash loop).
+  void fail_at(Context& ctx, const std::string& spec) {
+    std::stringstream ss(spec);
+    std::string group, rank, epoch;
+    std::getline(ss, group, ':');
+    std::getline(ss, rank, ':');
+    std::getline(ss, epoch, ':');
+    std::string always;
+    std::getline(ss, always, ':');
+    if (group != ctx.group() || rank != std::to_string(ctx.rank())) return;
+    if (epoch == "0") std::abort();
+    const char* restarts = std::getenv("TWINKLE_RESTART_COUNT");
+    if (always == "always" || !restarts || std::string(restarts) == "0")
+      fail_epoch_ = std::stoi(epoch);
+  }
+
   std::size_t size() const {
     return w2_at() + static_cast<std::size_t>(hidden_) * kClasses + kClasses;
   }
@@ -274,6 +306,8 @@ class Mlp {
   int hidden_;
   double lr_;
   double momentum_;
+  int epoch_ = 0;       // epochs trained
+  int fail_epoch_ = 0;  // args.fail_at for this rank (0: none)
   std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
   std::vector<double> velocity_;
 #ifdef DIGITS_HAVE_CUDA
@@ -285,6 +319,8 @@ TWINKLE_CLASS(Mlp, twinkle::execute::all);
 TWINKLE_STATE(Mlp, save, load);
 TWINKLE_METHOD(Mlp, train_step, twinkle::dispatch::slice_dp, twinkle::collect::mean);
 TWINKLE_METHOD(Mlp, evaluate, twinkle::dispatch::slice_dp, twinkle::collect::sum);
+TWINKLE_METHOD(Mlp, finish_epoch, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Mlp, epoch, twinkle::dispatch::all, twinkle::collect::first);
 
 TWINKLE_DRIVER(main, twinkle::Driver& d) {
   const Value& args = d.args();
@@ -293,64 +329,88 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
   const std::size_t batch = args["batch"].as<std::size_t>();
 
   const Dataset data = read_digits(d.job_path(args["data"].as<std::string>()));
-  std::vector<std::size_t> order(data.rows());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::mt19937_64 rng(static_cast<std::uint64_t>(seed));
+  const std::size_t n_train = data.rows() * 8 / 10;
+  std::mt19937_64 rng;
   auto shuffle = [&](std::vector<std::size_t>& v) {
     for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[rng() % i]);
   };
-  shuffle(order);
-  const std::size_t n_train = data.rows() * 8 / 10;
-  std::vector<std::size_t> train(order.begin(),
-                                 order.begin() + static_cast<std::ptrdiff_t>(n_train));
-  const std::vector<std::size_t> test(order.begin() + static_cast<std::ptrdiff_t>(n_train),
-                                      order.end());
+  // The split and the training order after `done` epochs: the shuffles from the seed on, so that
+  // a run that goes on from a checkpoint sees the order an uninterrupted one would have.
+  std::vector<std::size_t> train, test;
+  auto rewind = [&](int done) {
+    rng.seed(static_cast<std::uint64_t>(seed));
+    std::vector<std::size_t> order(data.rows());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    shuffle(order);
+    train.assign(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n_train));
+    test.assign(order.begin() + static_cast<std::ptrdiff_t>(n_train), order.end());
+    for (int e = 0; e < done; ++e) shuffle(train);
+  };
+  rewind(0);
   d.log("digits: {} samples, {} for training, {} held out; batch {}, {} epochs", data.rows(),
         train.size(), test.size(), batch, epochs);
 
-  auto model = d.create<Mlp>("model", Value::map({{"hidden", args["hidden"]},
-                                                  {"lr", args["lr"]},
-                                                  {"momentum", args["momentum"]},
-                                                  {"seed", seed}}));
-  // A resumed run: the model has its state back; the shuffles of the epochs done are replayed so
-  // that the next epoch sees the order it would have seen, and the loss goes on as it would have.
-  int done = 0;
-  double last = 0;
+  Value model_args = Value::map({{"hidden", args["hidden"]},
+                                 {"lr", args["lr"]},
+                                 {"momentum", args["momentum"]},
+                                 {"seed", seed}});
+  if (args.contains("fail_at")) model_args.map_items()["fail_at"] = args["fail_at"];
+  auto model = d.create<Mlp>("model", model_args);
+  // A resumed run: the model has its state back; the loss of every epoch done is known.
+  int epoch = 1;
+  std::vector<double> losses(static_cast<std::size_t>(epochs) + 1, 0.0);
   if (auto r = d.resumed()) {
-    done = static_cast<int>(r->step);
-    last = r->meta["loss"].as<double>();
-    for (int e = 0; e < done; ++e) shuffle(train);
+    const int done = static_cast<int>(r->step);
+    if (done <= epochs) losses[static_cast<std::size_t>(done)] = r->meta["loss"].as<double>();
+    rewind(done);
+    epoch = done + 1;
     d.log("resumed after epoch {}", done);
   }
-  for (int epoch = done + 1; epoch <= epochs; ++epoch) {
-    shuffle(train);
-    // Every step of the epoch is sent at once; the workers run them in order.
-    std::vector<twinkle::LazyCollect> steps;
-    for (std::size_t at = 0; at < train.size(); at += batch) {
-      const std::size_t n = std::min(batch, train.size() - at);
-      auto [x, y] = take(data, std::span<const std::size_t>(train).subspan(at, n));
-      steps.push_back(model.call("train_step", x, y));
-    }
-    double loss_sum = 0;
-    std::int64_t rows = 0;
-    for (auto& s : steps) {
-      // Every replica reports the same global values; collect mean keeps them (as doubles).
-      const double n = s.get()["rows"].as<double>();
-      loss_sum += s.get()["loss"].as<double>() * n;
-      rows += static_cast<std::int64_t>(n);
-    }
-    last = loss_sum / static_cast<double>(rows);
-    d.log("epoch {}  loss {}", epoch, last);
-    d.checkpoint(epoch, Value::map({{"loss", last}}));  // no-op without a checkpoint_dir
-    if (d.stop_requested()) {
-      d.log("stopping after epoch {} as asked", epoch);
-      return;
+  Value eval;
+  for (;;) {
+    try {
+      for (; epoch <= epochs; ++epoch) {
+        shuffle(train);
+        // Every step of the epoch is sent at once; the workers run them in order.
+        std::vector<twinkle::LazyCollect> steps;
+        for (std::size_t at = 0; at < train.size(); at += batch) {
+          const std::size_t n = std::min(batch, train.size() - at);
+          auto [x, y] = take(data, std::span<const std::size_t>(train).subspan(at, n));
+          steps.push_back(model.call("train_step", x, y));
+        }
+        double loss_sum = 0;
+        std::int64_t rows = 0;
+        for (auto& s : steps) {
+          // Every replica reports the same global values; collect mean keeps them (as doubles).
+          const double n = s.get()["rows"].as<double>();
+          loss_sum += s.get()["loss"].as<double>() * n;
+          rows += static_cast<std::int64_t>(n);
+        }
+        losses[static_cast<std::size_t>(epoch)] = loss_sum / static_cast<double>(rows);
+        d.log("epoch {}  loss {}", epoch, losses[static_cast<std::size_t>(epoch)]);
+        model.call("finish_epoch", epoch).get();
+        // No-op without a checkpoint_dir.
+        d.checkpoint(epoch, Value::map({{"loss", losses[static_cast<std::size_t>(epoch)]}}));
+        if (d.stop_requested()) {
+          d.log("stopping after epoch {} as asked", epoch);
+          return;
+        }
+      }
+      auto [x, y] = take(data, test);
+      eval = model.call("evaluate", x, y).get();
+      break;
+    } catch (const twinkle::WorkerLost& e) {
+      // The group restarted (from the newest checkpoint, or fresh): go on from its epoch.
+      const int at = model.call("epoch").get().as<int>();
+      d.log("a model worker was lost in epoch {}; the group is back at epoch {}, going on from "
+            "there",
+            epoch, at);
+      rewind(at);
+      epoch = at + 1;
     }
   }
-  auto [x, y] = take(data, test);
-  const Value eval = model.call("evaluate", x, y).get();
   char line[64];
-  std::snprintf(line, sizeof line, "%.6f", last);
+  std::snprintf(line, sizeof line, "%.6f", losses[static_cast<std::size_t>(epochs)]);
   d.log("final loss: {}", std::string(line));
   std::snprintf(line, sizeof line, "%.3f",
                 eval["correct"].as<double>() / eval["rows"].as<double>());

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Checkpoints, --resume and stopping on request, with the digits example (the real binary): a run
-# stopped or killed at any point resumes to the same final loss, bit for bit, as a run that was
-# never stopped. Usage: checkpoint.sh TWINKLE_BINARY SOURCE_ROOT EXAMPLES_BUILD_DIR CASE
+# Checkpoints, --resume, stopping on request and restarts, with the digits example (the real
+# binary): a run stopped or killed at any point resumes to the same final loss, bit for bit, as a
+# run that was never stopped, and a run whose worker is lost restarts its group and ends the same.
+# Usage: checkpoint.sh TWINKLE_BINARY SOURCE_ROOT EXAMPLES_BUILD_DIR CASE
 TWK=$1
 SRC=$2
 EXAMPLES=$3
@@ -61,7 +62,71 @@ start_bg() {
   DRIVER_PID=$!
 }
 
+# restarts.toml: ck.toml whose model group restarts (max_restarts = $1).
+restart_job() {
+  sed -e "s|^ranks  = 4 .*|ranks  = 4\nmax_restarts = $1|" "$TMP/ck.toml" >"$TMP/restarts.toml"
+  grep -q "^max_restarts = $1" "$TMP/restarts.toml" || fail "could not add max_restarts"
+}
+
+# The losses of every epoch and the final loss of $TMP/out are the reference's.
+losses_match() {
+  grep -E '^epoch [0-9]+  loss ' "$TMP/out" | awk '!seen[$2]++' >"$TMP/got-epochs"
+  diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "$1: the losses differ from the run that was never stopped"
+  [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] ||
+    fail "$1: final loss $(grep '^final loss:' "$TMP/out"), uninterrupted $REF_FINAL"
+}
+
 case "$CASE" in
+  restart_group)
+    # Rank 2 aborts in epoch 12; its group restarts from the checkpoint of epoch 11 and the
+    # driver goes on from there: the run succeeds with the reference's losses, and says so.
+    restart_job 1
+    run 0 "$TWK" run --quiet "$TMP/restarts.toml" --set args.fail_at=model:2:12
+    expect_err "twinkle: restarting group model (restart 1 of 1 in 600 s): worker model:2"
+    expect_err "was killed by signal 6 (Aborted)"
+    expect_err "twinkle: group model is back (restart 1,"
+    expect_err "from the checkpoint of step 11)"
+    expect_err "twinkle: 1 restart(s) in this run:"
+    expect_out "a model worker was lost in epoch 12; the group is back at epoch 11"
+    # Epochs 12 onwards once each after the restart: the losses are the reference's, in order.
+    [ "$(grep -c '^epoch 12  loss' "$TMP/out")" -eq 1 ] || fail "epoch 12 ran twice"
+    losses_match "restart from a checkpoint"
+    # Without checkpoints (recover = "none"), the group starts fresh and the driver from epoch 0.
+    sed -e '/^checkpoint_dir/d' "$TMP/restarts.toml" >"$TMP/fresh.toml"
+    run 0 "$TWK" run --quiet "$TMP/fresh.toml" --set args.fail_at=model:2:5
+    expect_err "twinkle: group model is back (restart 1,"
+    expect_err ", without state)"
+    expect_out "the group is back at epoch 0"
+    grep -E '^epoch [0-9]+  loss ' "$TMP/out" | tail -n 30 >"$TMP/got-epochs"
+    diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "a fresh restart changed the losses"
+    [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] || fail "a fresh restart changed the final loss"
+    expect_clean
+    ;;
+  restart_budget)
+    # Rank 2 dies in epoch 12 in every life: max_restarts = 2 allows exactly two restarts, then
+    # the run fails saying the budget is spent.
+    restart_job 2
+    run 1 "$TWK" run --quiet "$TMP/restarts.toml" --set args.fail_at=model:2:12:always
+    [ "$(grep -c '^twinkle: restarting group model' "$TMP/err")" -eq 2 ] ||
+      { cat "$TMP/err"; fail "expected exactly 2 restarts"; }
+    expect_err "group model has no restarts left (2 in the last 600 s: max_restarts = 2)"
+    expect_err "twinkle: 2 restart(s) in this run:"
+    expect_clean
+    # A rank that dies before it completes a call, three times: a crash loop, whatever the budget.
+    restart_job 10
+    run 1 "$TWK" run --quiet "$TMP/restarts.toml" --set args.fail_at=model:1:0
+    expect_err "rank 1 of group model died 3 times in"
+    expect_err "s before completing a call (a crash loop; no more restarts): worker model:1"
+    [ "$(grep -c '^twinkle: restarting group model' "$TMP/err")" -eq 2 ] ||
+      { cat "$TMP/err"; fail "a crash loop should end at its third death"; }
+    # Restarts work in local mode so far: remote mode refuses them before it connects.
+    run 2 "$TWK" run --quiet "$TMP/restarts.toml" --set job.mode=remote
+    expect_err "group \"model\": max_restarts works in local mode so far"
+    # Without max_restarts a lost worker ends the run as before.
+    run 1 "$TWK" run --quiet "$TMP/ck.toml" --set args.fail_at=model:2:3
+    expect_err "stopping the other workers"
+    expect_clean
+    ;;
   files)
     # A full run keeps the newest checkpoint_keep (3) complete checkpoints, each with a part per
     # worker whose sha256 the manifest records.

@@ -335,6 +335,51 @@ PY
     expect_err "Probe.slow timed out after 0.3 s: ranks [0, 1] of group b did not answer"
     expect_clean
     ;;
+  restart_idle)
+    # A worker of a restarting group lost while no call waits on it: the driver's next call to
+    # the group says so once (WorkerLost), so that state never goes back unnoticed; the call after
+    # it runs on the new workers.
+    write_job "" "max_restarts = 1"
+    "$TWK" run --set job.driver=restart_idle --set args.marker="$TMP/marker" "$TMP/job.toml" \
+      >"$TMP/out" 2>"$TMP/err" &
+    DRIVER_PID=$!
+    wait_for "$TMP/out" "B READY" 20
+    victim=$(sed -n 's/^\[b:1\] READY pid=\([0-9]*\)$/\1/p' "$TMP/out" | head -1)
+    [ -n "$victim" ] || { cat "$TMP/out"; fail "no pid of b:1"; }
+    kill -KILL "$victim"
+    wait_for "$TMP/err" "twinkle: worker b:1 (pid $victim) was killed by signal 9" 10
+    touch "$TMP/marker"
+    wait_driver
+    [ "$DRIVER_RC" -eq 0 ] || { cat "$TMP/out" "$TMP/err"; fail "twinkle exited $DRIVER_RC"; }
+    expect_out "LOST: [twinkle driver caller: runtime_plugin.cpp:"
+    expect_out "Probe.pid failed: worker b:1 (host"
+    expect_out "group b restarted while no call was waiting on it (its instances were made again, without state)"
+    expect_out "AGAIN 2 workers"
+    if grep -q "NO ERROR" "$TMP/out"; then fail "the restart went unnoticed"; fi
+    expect_err "twinkle: 1 restart(s) in this run:"
+    expect_clean
+    ;;
+  retry)
+    # twinkle::retry: the calls in flight when b:1 is lost run again on the new workers, in the
+    # order they were made, and get those results; a method without retry fails with WorkerLost
+    # naming where it may have run; a call made meanwhile waits for the group.
+    write_job "" "max_restarts = 1"
+    run 0 "$TWK" run --set job.driver=retry "$TMP/job.toml"
+    expect_out "FLAKY RESULTS 00 11 22 33 44 55 "
+    expect_out "PLAIN LOST: [twinkle driver caller: runtime_plugin.cpp:"
+    expect_out "Probe.echo failed: worker b:1 (host"
+    expect_out "group b restarts. The call had finished on ranks ["
+    expect_out "AFTER 2 workers"
+    # The new b:1 ran again, in order and once each, the calls not answered when the loss was
+    # seen: 3 to 5, and those before whose answers had not reached the driver yet.
+    again=$(sed -n 's/^\[b:1\] FLAKY \([0-9]\) gen 1$/\1/p' "$TMP/out" | tr -d '\n')
+    case "$again" in
+      012345 | 12345 | 2345 | 345) ;;
+      *) grep FLAKY "$TMP/out"; fail "the retried calls did not run again in order: $again" ;;
+    esac
+    [ "$(grep -c '^\[b:1\] FLAKY . gen 0$' "$TMP/out")" -eq 4 ] || fail "b:1 should have run calls 0 to 3 first"
+    expect_clean
+    ;;
   stop_grace)
     # With a checkpoint_dir, SIGTERM asks the driver entry to stop; one that does not return
     # within stop_grace_s is stopped as SIGTERM always stopped runs (143), nothing left behind.

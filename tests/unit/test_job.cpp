@@ -127,6 +127,34 @@ TEST_CASE("checkpoint keys", "[job]") {
              Catch::Contains("job.stop_grace_s must be at least 0"));
 }
 
+TEST_CASE("restart keys", "[job]") {
+  const std::string g = "[[group]]\nname = \"g\"\nranks = 2\n";
+  Job none = parse(kJob + g);
+  CHECK(none.groups[0].max_restarts == 0);
+  CHECK(none.groups[0].restart == "group");
+  CHECK(none.groups[0].restart_window_s == 600);
+  CHECK(none.groups[0].recover == "none");  // no checkpoint_dir
+  Job ck = parse(kJob + "checkpoint_dir = \"c\"\n" + g +
+                 "max_restarts = 3\nrestart = \"group\"\nrestart_window_s = 60\n");
+  CHECK(ck.groups[0].max_restarts == 3);
+  CHECK(ck.groups[0].restart_window_s == 60);
+  CHECK(ck.groups[0].recover == "checkpoint");  // the default with a checkpoint_dir
+  CHECK(parse(kJob + "checkpoint_dir = \"c\"\n" + g + "recover = \"none\"\n").groups[0].recover ==
+        "none");
+  CHECK_THAT(error_of(kJob + g + "recover = \"checkpoint\"\n"),
+             Catch::Contains("recover = \"checkpoint\" needs job.checkpoint_dir"));
+  CHECK_THAT(error_of(kJob + g + "restart = \"worker\"\n"),
+             Catch::Contains("restart = \"worker\" (replacing only the lost ranks) is not available "
+                             "yet; use restart = \"group\""));
+  CHECK_THAT(error_of(kJob + g + "restart = \"grup\"\n"), Catch::Contains("did you mean \"group\"?"));
+  CHECK_THAT(error_of(kJob + g + "recover = \"peer\"\n"),
+             Catch::Contains("recover = \"peer\" (a live copy from a replica) is not available yet"));
+  CHECK_THAT(error_of(kJob + g + "max_restarts = -1\n"),
+             Catch::Contains("max_restarts must be 0 to 1000, not -1"));
+  CHECK_THAT(error_of(kJob + g + "restart_window_s = 0\n"),
+             Catch::Contains("restart_window_s must be more than 0"));
+}
+
 TEST_CASE("mesh order overrides the layout", "[job]") {
   Job job = parse(
       kJob +

@@ -86,6 +86,8 @@ TEST_CASE("a good plugin's table is read with its metadata", "[loader]") {
   CHECK(m->execute == twinkle::Execute::all);
   CHECK(m->execute_from_class);
   CHECK(m->timeout_s == 5);
+  CHECK(m->retries == 0);
+  CHECK(echo->find_method("whoami")->retries == 3);
   const auto* add = echo->find_method("add");
   CHECK(add->execute == twinkle::Execute::first);
   CHECK_FALSE(add->execute_from_class);

@@ -94,6 +94,9 @@ TEST_CASE("rendezvous, devices and the TWINKLE_ variables", "[env]") {
   CHECK(get(env, "TWINKLE_SEED") == "42");
   CHECK(get(env, "TWINKLE_RUN_ID") == "1a2b3c4d");
   CHECK(get(env, "OMP_NUM_THREADS") == "1");
+  // A first start; restarts replace both (torchrun programs read the second).
+  CHECK(get(env, "TWINKLE_RESTART_COUNT") == "0");
+  CHECK(get(env, "TORCHELASTIC_RESTART_COUNT") == "0");
 
   // A cpu worker sees no GPU: the variable is set, and empty.
   const auto cpu = t.env(1, 0);
@@ -111,7 +114,8 @@ TEST_CASE("owned variables of the launcher's environment are replaced, not dupli
       "LOCAL_RANK=7",          "WORLD_SIZE=100",
       "MASTER_ADDR=elsewhere", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7",
       "TWINKLE_X=leftover",    "TWINKLE_GROUP=other",
-      "RANKING=kept",          "HOME=/home/u"};
+      "RANKING=kept",          "HOME=/home/u",
+      "TORCHELASTIC_RESTART_COUNT=5", "TWINKLE_TEST_FAULT=passes"};
   const auto env = t.env(0, 2, base);
   CHECK(get(env, "RANK") == "2");
   CHECK(get(env, "LOCAL_RANK") == "0");
@@ -120,6 +124,8 @@ TEST_CASE("owned variables of the launcher's environment are replaced, not dupli
   CHECK(get(env, "CUDA_VISIBLE_DEVICES") == "2,3");
   CHECK(get(env, "TWINKLE_GROUP") == "model");
   CHECK_FALSE(get(env, "TWINKLE_X"));
+  CHECK(get(env, "TORCHELASTIC_RESTART_COUNT") == "0");
+  CHECK(get(env, "TWINKLE_TEST_FAULT") == "passes");  // the tests' switches reach the workers
   // Everything else passes through, in its order.
   CHECK(get(env, "PATH") == "/usr/bin");
   CHECK(get(env, "RANKING") == "kept");

@@ -242,6 +242,12 @@ Fd LocalDriverChannel::take_worker_end(std::size_t peer) {
   return std::move(worker_ends_.at(peer));
 }
 
+void LocalDriverChannel::renew_worker_end(std::size_t peer) {
+  FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
+  shm_.at(peer) = std::make_unique<ShmChannel>(std::move(pair.first), &pool_);
+  worker_ends_.at(peer) = std::move(pair.second);
+}
+
 void RouterDriverChannel::send(std::size_t peer, const Message& m) {
   try {
     send_message(router_, m, &identities_.at(peer), shm_of(peer));
@@ -261,9 +267,11 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
   const bool forever = timeout.count() < 0;
   const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
   for (;;) {
-    if (auto e = events_.take()) return e;
+    // What a peer sent comes before the news that it is lost: a lost worker's last answers
+    // count (the loss of a worker whose group restarts fails only the calls it did not answer).
     std::vector<zmq::message_t> frames;
     if (!zmq::recv_multipart(router_, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
+      if (auto e = events_.take()) return e;
       long left = -1;
       if (!forever) {
         left =

@@ -160,6 +160,8 @@ class LocalDriverChannel : public RouterDriverChannel {
   // The worker's end of peer's descriptor channel, for the launcher to hand to that worker
   // (connect_local_worker's `shm`). Once per peer.
   Fd take_worker_end(std::size_t peer);
+  // A new descriptor channel for peer (its worker was replaced): take_worker_end gives its end.
+  void renew_worker_end(std::size_t peer);
 
   EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
 

@@ -159,7 +159,8 @@ struct Welcome {
   std::string kv;           // the rendezvous store's endpoint
   std::string collectives;  // "auto" | "shm" | "gloo"
   double timeout_s = 0;
-  std::optional<ResumePart> resume;  // a resumed run
+  std::optional<ResumePart> resume;  // a resumed run, or a group restarted from a checkpoint
+  int generation = 0;                // how many times this worker's group was restarted
   static constexpr auto fields() {
     return std::tuple{field("job", &Welcome::job),
                       field("groups", &Welcome::groups),
@@ -171,7 +172,8 @@ struct Welcome {
                       field("kv", &Welcome::kv),
                       field("collectives", &Welcome::collectives),
                       field("timeout_s", &Welcome::timeout_s),
-                      field("resume", &Welcome::resume)};
+                      field("resume", &Welcome::resume),
+                      field("generation", &Welcome::generation)};
   }
 };
 

@@ -76,6 +76,10 @@ enum { TWK_REDUCE_SUM = 0, TWK_REDUCE_MEAN = 1, TWK_REDUCE_MAX = 2, TWK_REDUCE_M
 /* Log levels of twk_host_v1.log. */
 enum { TWK_LOG_DEBUG = 0, TWK_LOG_INFO = 1, TWK_LOG_WARN = 2, TWK_LOG_ERROR = 3 };
 
+/* An error message that starts with this is a lost worker's (its group restarts): the SDK throws
+ * twinkle::WorkerLost for it, without the tag. */
+#define TWK_WORKER_LOST_TAG "worker lost: "
+
 /* msgpack extension type that stands for a tensor; its payload is the tensor's index in
  * twk_value_v1.tensors as a 4-byte big-endian unsigned integer. */
 #define TWK_MSGPACK_EXT_TENSOR 1
@@ -240,6 +244,9 @@ typedef struct twk_method_v1 {
   const char* custom_dispatch; /* with TWK_DISPATCH_CUSTOM: a name in twk_plugin_v1.dispatchers */
   const char* custom_collect;  /* with TWK_COLLECT_CUSTOM: a name in twk_plugin_v1.collectors */
   twk_invoke_fn invoke;
+  /* Added with restarts (check `size`): how many times a call is sent again, once its group is
+   * back, when a worker of the group is lost before every answer came (0: it fails). */
+  int32_t retries;
 } twk_method_v1;
 
 typedef struct twk_class_v1 {
@@ -301,7 +308,8 @@ static_assert(sizeof(twk_context_v1) == 80, "twk_context_v1 layout changed");
 static_assert(offsetof(twk_host_v1, barrier) == 88, "twk_host_v1 layout changed");
 static_assert(offsetof(twk_host_v1, attach) == 104, "twk_host_v1 layout changed");
 static_assert(sizeof(twk_host_v1) == 136, "twk_host_v1 layout changed");
-static_assert(sizeof(twk_method_v1) == 64, "twk_method_v1 layout changed");
+static_assert(offsetof(twk_method_v1, invoke) == 56, "twk_method_v1 layout changed");
+static_assert(sizeof(twk_method_v1) == 72, "twk_method_v1 layout changed");
 /* twk_class_v1 grew at its end (save, load); arrays of classes are read with the stride of the
  * plugin's own `size`. */
 static_assert(offsetof(twk_class_v1, n_methods) == 48, "twk_class_v1 layout changed");

@@ -41,6 +41,25 @@ class RemoteError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A call or constructor failed because a worker of its group was lost and the group restarts
+// ([[group]] max_restarts): the message names the worker, how it was lost and the ranks where the
+// call may have run. Calls made after it wait for the group to be back; its instances are made
+// again with the same handles and, with recover = "checkpoint", the newest checkpoint's state.
+class WorkerLost : public RemoteError {
+ public:
+  using RemoteError::RemoteError;
+};
+
+namespace detail {
+// Throws WorkerLost for a host error that carries TWK_WORKER_LOST_TAG, RemoteError otherwise.
+[[noreturn]] inline void throw_remote(const std::string& prefix, const std::string& error) {
+  constexpr std::string_view tag = TWK_WORKER_LOST_TAG;
+  if (std::string_view(error).substr(0, tag.size()) == tag)
+    throw WorkerLost(prefix + error.substr(tag.size()));
+  throw RemoteError(prefix + error);
+}
+}  // namespace detail
+
 // The metadata of a remote method (twinkle-plugin(7), DISPATCH, EXECUTE, COLLECT).
 namespace dispatch {
 struct Spec {
@@ -79,6 +98,15 @@ constexpr Spec custom(const char* name) { return {TWK_COLLECT_CUSTOM, name}; }
 }  // namespace collect
 
 // A per-call timeout for TWINKLE_METHOD, in seconds.
+// A method whose calls may run again: when a worker of its group is lost before every answer
+// came and the group restarts, the call is sent again (in submission order) once the group is
+// back, up to `times` times, and its LazyCollect gets the result of that run. For methods that
+// give the same result when run twice (sampling from fixed weights, evaluating); a call of a
+// method without it fails with WorkerLost.
+struct retry {
+  int times = 1;
+};
+
 struct timeout {
   double seconds;
 };
@@ -471,13 +499,12 @@ class LazyCollect {
       twk_sink_v1 sink = t.sink();
       std::uint64_t f = std::exchange(future_, 0);
       if (host_->wait(host_ctx_, f, &sink) != TWK_OK || t.failed) {
-        error_ = detail::caller_prefix(where_, worker_) +
-                 (t.error.empty() ? "remote call failed" : t.error);
+        error_ = t.error.empty() ? "remote call failed" : t.error;
       } else {
         result_ = t.value ? std::move(*t.value) : Value();
       }
     }
-    if (error_) throw RemoteError(*error_);
+    if (error_) detail::throw_remote(detail::caller_prefix(where_, worker_), *error_);
     return *result_;
   }
   void drop() noexcept {
@@ -533,7 +560,7 @@ class Handle {
     }
     if (host_->call(host_ctx_, id_, name.c_str(), e.view(), method.where.file_name(),
                     method.where.line(), &future, &sink) != TWK_OK) {
-      throw RemoteError(detail::caller_prefix(method.where, worker_) + t.error);
+      detail::throw_remote(detail::caller_prefix(method.where, worker_), t.error);
     }
     return LazyCollect(host_, host_ctx_, future, method.where, worker_);
   }
@@ -596,9 +623,8 @@ class Driver {
     twk_sink_v1 sink = t.sink();
     std::uint64_t id = 0;
     const std::string c(cls), g(group.name);
-    if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK) {
-      throw RemoteError(detail::caller_prefix(group.where) + t.error);
-    }
+    if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK)
+      detail::throw_remote(detail::caller_prefix(group.where), t.error);
     return Handle(host_, ctx_->host_ctx, id, c, g);
   }
   template <class Cls, class... A>
@@ -649,7 +675,7 @@ class Driver {
     twk_sink_v1 sink = t.sink();
     std::int32_t saved = 0;
     if (host_->checkpoint(ctx_->host_ctx, step, e.view(), &saved, &sink) != TWK_OK)
-      throw RemoteError(detail::caller_prefix(where) + t.error);
+      detail::throw_remote(detail::caller_prefix(where), t.error);
     return saved != 0;
   }
 
@@ -720,7 +746,7 @@ Handle Context::create(std::string_view cls, GroupRef group, A&&... args) const 
   std::uint64_t id = 0;
   const std::string c(cls), g(group.name);
   if (host_->create(ctx_->host_ctx, c.c_str(), g.c_str(), e.view(), &id, &sink) != TWK_OK)
-    throw RemoteError(detail::caller_prefix(group.where, true) + t.error);
+    detail::throw_remote(detail::caller_prefix(group.where, true), t.error);
   return Handle(host_, ctx_->host_ctx, id, c, g, true);
 }
 
@@ -760,6 +786,7 @@ struct MethodEntry {
   std::int32_t execute = TWK_EXECUTE_CLASS;
   double timeout_s = 0;
   twk_invoke_fn invoke = nullptr;
+  std::int32_t retries = 0;
 };
 
 struct ClassEntry {
@@ -800,7 +827,7 @@ struct Registry {
       for (const auto& m : classes[i].methods) {
         c_methods[i].push_back(twk_method_v1{sizeof(twk_method_v1), m.name.c_str(), m.dispatch.kind,
                                              m.execute, m.collect.kind, m.timeout_s, m.dispatch.fn,
-                                             m.collect.fn, m.invoke});
+                                             m.collect.fn, m.invoke, m.retries});
       }
       const auto& c = classes[i];
       c_classes.push_back(twk_class_v1{sizeof(twk_class_v1), c.name.c_str(), c.execute, c.construct,
@@ -935,6 +962,7 @@ struct StateRegistrar {
 
 inline void apply_option(MethodEntry& m, execute::Spec e) { m.execute = e.kind; }
 inline void apply_option(MethodEntry& m, timeout t) { m.timeout_s = t.seconds; }
+inline void apply_option(MethodEntry& m, retry r) { m.retries = r.times; }
 
 struct MethodRegistrar {
   template <class... Options>
