@@ -583,8 +583,22 @@ EncodedValue CallTable::wait(std::uint64_t future) {
     }
     if (Clock::now() > c.deadline) {
       std::vector<std::string> missing;
+      std::optional<std::size_t> first;
       for (std::size_t i = 0; i < c.workers.size(); ++i) {
-        if (!c.results[i] && !c.errors.count(i)) missing.push_back(std::to_string(c.workers[i]));
+        if (c.results[i] || c.errors.count(i)) continue;
+        missing.push_back(std::to_string(c.workers[i]));
+        if (!first) first = groups_[c.group].peers[static_cast<std::size_t>(c.workers[i])];
+      }
+      // In a group that restarts, a rank that does not answer in time is lost: it is replaced
+      // with the others, and the call fails with WorkerLost (or runs again: twinkle::retry).
+      if (first && restarts_.restartable && restarts_.restartable(c.group) &&
+          !restarting_.count(c.group)) {
+        on_lost(*first, fmt::format("did not answer {} within {:g} s (a call timeout, counted as "
+                                    "its loss)",
+                                    prefix, c.timeout_s));
+        it = calls_.find(future);
+        if (it == calls_.end()) throw CallError(prefix + ": the call was dropped");
+        if (restarting_.count(it->second.group)) continue;
       }
       c.released = true;  // late answers are dropped
       throw CallError(fmt::format(

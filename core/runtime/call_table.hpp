@@ -68,6 +68,9 @@ struct Restarts {
   std::function<void(std::size_t group)> back;
   // ", with the state of the checkpoint of step 11" or ", without state": for messages.
   std::function<std::string(std::size_t group)> recovered;
+  // Whether the group restarts at all (then a call timeout counts as the loss of a rank that
+  // did not answer).
+  std::function<bool(std::size_t group)> restartable;
 };
 
 // The first worker the run lost while it still needed it.

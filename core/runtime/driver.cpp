@@ -710,7 +710,10 @@ class JobRun : public HostOps {
                                   },
                                   [this](std::size_t g) { respawn(g); },
                                   [this](std::size_t g) { group_back(g); },
-                                  [this](std::size_t g) { return recovered_from(g); }});
+                                  [this](std::size_t g) { return recovered_from(g); },
+                                  [this](std::size_t g) {
+                                    return job_.groups.at(g).max_restarts > 0;
+                                  }});
   }
 
   // Whether the loss of `peer` restarts its group: the group's budget in its window, and no

@@ -380,6 +380,22 @@ PY
     [ "$(grep -c '^\[b:1\] FLAKY . gen 0$' "$TMP/out")" -eq 4 ] || fail "b:1 should have run calls 0 to 3 first"
     expect_clean
     ;;
+  restart_timeout)
+    # In a group that restarts, a call timeout is the loss of the ranks that did not answer: the
+    # hung workers are replaced (nothing is left sleeping) and the next call runs.
+    write_job "" "max_restarts = 1"
+    run 0 "$TWK" run --set job.driver=restart_timeout "$TMP/job.toml"
+    expect_out "TIMEOUT LOST: [twinkle driver caller: runtime_plugin.cpp:"
+    expect_out "did not answer Probe.slow_first within 0.3 s (a call timeout, counted as its loss)"
+    expect_out "AFTER OK"
+    expect_err "twinkle: restarting group b (restart 1 of 1 in 600 s)"
+    expect_clean
+    # Without restarts a timeout stays a timeout.
+    write_job "" ""
+    run 1 "$TWK" run --set job.driver=restart_timeout "$TMP/job.toml"
+    expect_err "Probe.slow_first timed out after 0.3 s"
+    expect_clean
+    ;;
   stop_grace)
     # With a checkpoint_dir, SIGTERM asks the driver entry to stop; one that does not return
     # within stop_grace_s is stopped as SIGTERM always stopped runs (143), nothing left behind.
