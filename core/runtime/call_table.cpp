@@ -121,9 +121,8 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
   r.respawned = false;
   r.respawn_at = Clock::now() + after;
   const GroupInfo& g = groups_[gi];
-  // Every restart reaches the caller once: through the calls it fails now or, when none was
-  // waiting, the caller's next call to the group (or checkpoint), so that a group's state never
-  // goes back to a checkpoint unnoticed.
+  // Whether a call the caller will wait on fails here (else its next call to the group reports
+  // the restart: unobserved_).
   bool reported = false;
   for (auto it = calls_.begin(); it != calls_.end();) {
     Call& c = it->second;
