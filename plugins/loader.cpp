@@ -354,16 +354,18 @@ template <class T>
 const T& entry_at(const T* array, std::uint32_t i, const std::string& what) {
   const std::uint32_t stride = array[0].size;
   if (stride < sizeof(std::uint32_t) || stride > kMaxEntrySize) {
-    throw PluginError(fmt::format("{} table is {} bytes; that is no table of this ABI (rebuild the "
-                                  "plugin against this twinkle's SDK)",
-                                  what, stride));
+    throw PluginError(
+        fmt::format("{} table is {} bytes; that is no table of this ABI (rebuild the "
+                    "plugin against this twinkle's SDK)",
+                    what, stride));
   }
-  const T& e = *reinterpret_cast<const T*>(reinterpret_cast<const char*>(array) +
-                                           std::size_t{stride} * i);
+  const T& e =
+      *reinterpret_cast<const T*>(reinterpret_cast<const char*>(array) + std::size_t{stride} * i);
   if (e.size > stride) {
-    throw PluginError(fmt::format("{} {} table is {} bytes, the first one {}; the entries of one "
-                                  "array have one size",
-                                  what, i, e.size, stride));
+    throw PluginError(
+        fmt::format("{} {} table is {} bytes, the first one {}; the entries of one "
+                    "array have one size",
+                    what, i, e.size, stride));
   }
   return e;
 }
@@ -402,8 +404,7 @@ MethodInfo read_method(const twk_method_v1& m, std::uint32_t j, const ClassInfo&
   mi.invoke = code_or_fail(m.invoke, mw + " invoke function");
   if (has_field<std::int32_t>(m.size, offsetof(twk_method_v1, retries))) {
     if (m.retries < 0 || m.retries > kMaxRetries) {
-      throw PluginError(
-          fmt::format("{}: retry {} must be 0 to {}", mw, m.retries, kMaxRetries));
+      throw PluginError(fmt::format("{}: retry {} must be 0 to {}", mw, m.retries, kMaxRetries));
     }
     mi.retries = m.retries;
   }

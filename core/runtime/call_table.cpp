@@ -90,12 +90,12 @@ void CallTable::throw_unobserved(std::size_t gi, const std::string& what) {
   if (it == unobserved_.end()) return;
   const Unobserved u = std::move(it->second);
   unobserved_.erase(it);
-  throw CallError(fmt::format(
-      "{}{} failed: {}; group {} restarted {} (its instances were made again{})",
-      TWK_WORKER_LOST_TAG, what, u.text, groups_[gi].name,
-      u.failed_calls ? "before this call, and the caller had not seen it yet"
-                     : "while no call was waiting on it",
-      restarts_.recovered ? restarts_.recovered(gi) : std::string()));
+  throw CallError(
+      fmt::format("{}{} failed: {}; group {} restarted {} (its instances were made again{})",
+                  TWK_WORKER_LOST_TAG, what, u.text, groups_[gi].name,
+                  u.failed_calls ? "before this call, and the caller had not seen it yet"
+                                 : "while no call was waiting on it",
+                  restarts_.recovered ? restarts_.recovered(gi) : std::string()));
 }
 
 void CallTable::send_to(std::size_t peer, Message m) {
@@ -147,6 +147,8 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
       continue;
     }
     reported |= !c.released;
+    // Not sent yet (made during an earlier restart): it fails, so it must never run.
+    std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == it->first; });
     std::vector<std::string> done, open;
     for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
       (c.results[pos] || c.errors.count(pos) ? done : open)
@@ -170,14 +172,17 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
   // An instance being made is made on the replacements instead, once they are there: its
   // constructor ran on none of them.
   for (auto& [id, inst] : instances_) {
-    if (inst.group != gi || inst.made) continue;
+    if (inst.group != gi || !inst.creating) continue;
     inst.acks.clear();
     std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == id; });
     const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
     for (int w : inst.workers)
       r.deferred.emplace_back(g.peers[static_cast<std::size_t>(w)], create);
   }
-  if (saving_) reported = true;
+  if (saving_) {
+    reported = true;
+    std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == saving_; });
+  }
   // Until the caller has seen this restart (a WorkerLost from one of the calls failed here, or
   // from its next call or checkpoint), its calls to the group fail: it made them for the state
   // before the loss.
@@ -185,7 +190,8 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
   if (saving_) {
     for (std::size_t p : g.peers) {
       if (!saved_.count(p))
-        saved_.emplace(p, transport::proto::Saved{std::string(TWK_WORKER_LOST_TAG) + text, "", 0, 0});
+        saved_.emplace(p,
+                       transport::proto::Saved{std::string(TWK_WORKER_LOST_TAG) + text, "", 0, 0});
     }
   }
   for (std::size_t p : g.peers) {
@@ -196,10 +202,12 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
 
 // Starts the replacements of groups whose backoff has passed.
 void CallTable::advance_restarts() {
+  if (lost_ || expecting_exits_) return;  // the run is ending: nothing new starts
   const auto now = Clock::now();
   for (auto& [gi, r] : restarting_) {
     if (r.respawned || now < r.respawn_at) continue;
     r.respawned = true;
+    for (std::size_t p : groups_[gi].peers) workers_[p].ready = false;
     try {
       restarts_.respawn(gi);
     } catch (const Error& e) {
@@ -259,7 +267,10 @@ void CallTable::on_event(ChannelEvent& e) {
   Message& m = e.message;
   // Until a restarting group is back, only its new workers' hellos count: anything else comes
   // from the processes being replaced (a retried call gets the answers of its new run).
-  if (restarting_.count(w.group) && !m.get<transport::proto::Hello>()) return;
+  if (auto rs = restarting_.find(w.group); rs != restarting_.end()) {
+    // Before the respawn even a hello is from a process about to be replaced.
+    if (!m.get<transport::proto::Hello>() || !rs->second.respawned) return;
+  }
   if (auto* hello = m.get<transport::proto::Hello>()) {
     // The channel knows the peer by its identity; a hello that names another worker is not its.
     if (w.ready || hello->name != w.name) return;
@@ -306,9 +317,11 @@ bool CallTable::pump(std::chrono::milliseconds timeout) {
   advance_restarts();
   for (const auto& [gi, r] : restarting_) {
     if (r.respawned) continue;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r.respawn_at - Clock::now()) +
-                      std::chrono::milliseconds(1);
-    if (timeout.count() < 0 || left < timeout) timeout = std::max(left, std::chrono::milliseconds(0));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(r.respawn_at - Clock::now()) +
+        std::chrono::milliseconds(1);
+    if (timeout.count() < 0 || left < timeout)
+      timeout = std::max(left, std::chrono::milliseconds(0));
   }
   auto e = channel_.next(timeout);
   if (!e) return false;
@@ -382,6 +395,16 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
   }
   inst.whole = inst.workers.size() == g.peers.size();
   inst.args = args;
+  inst.creating = true;
+  // An instance that was not made is not made again by a restart either.
+  struct Forget {
+    std::map<std::uint64_t, Instance>& instances;
+    std::uint64_t id;
+    bool keep = false;
+    ~Forget() {
+      if (!keep) instances.erase(id);
+    }
+  } forget{instances_, id};
   const Message create{id, transport::proto::Create{cls.name, args, chain}};
   for (int w : inst.workers) send_to(g.peers[static_cast<std::size_t>(w)], create);
   const auto deadline = deadline_after(timeout_s_);
@@ -407,6 +430,8 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
     }
   }
   inst.made = true;
+  inst.creating = false;
+  forget.keep = true;
   return id;
 }
 
@@ -552,8 +577,8 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   const std::uint64_t id = ++next_id_;
   c.retries_left = restarts_.decide ? m->retries : 0;
   for (std::size_t i = 0; i < c.workers.size(); ++i) {
-    Message msg{id, transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]),
-                                           chain}};
+    Message msg{id,
+                transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]), chain}};
     const std::size_t peer = g.peers[static_cast<std::size_t>(c.workers[i])];
     if (c.retries_left > 0) c.sent.emplace_back(peer, msg);
     send_to(peer, std::move(msg));

@@ -121,16 +121,16 @@ json manifest_json(const Manifest& m) {
                      {"bytes", p.bytes},
                      {"instances", p.instances}});
   }
-  return {{"format", m.format}, {"seq", m.seq},         {"step", m.step},
-          {"meta", to_json(m.meta, "")},                {"job", m.job},
-          {"run_id", m.run_id},  {"created", m.created}, {"groups", groups},
-          {"parts", parts}};
+  return {{"format", m.format},          {"seq", m.seq},     {"step", m.step},
+          {"meta", to_json(m.meta, "")}, {"job", m.job},     {"run_id", m.run_id},
+          {"created", m.created},        {"groups", groups}, {"parts", parts}};
 }
 
 Manifest parse_manifest(const json& j) {
   Manifest m;
   m.format = j.at("format").get<int>();
-  if (m.format != kFormat) throw Error(fmt::format("format {} (this twinkle reads {})", m.format, kFormat));
+  if (m.format != kFormat)
+    throw Error(fmt::format("format {} (this twinkle reads {})", m.format, kFormat));
   m.seq = j.at("seq").get<std::uint64_t>();
   m.step = j.at("step").get<std::int64_t>();
   m.meta = from_json(j.at("meta"));
@@ -163,10 +163,13 @@ std::string utc_now() {
   return buf;
 }
 
+// This host's name as temporary folders carry it (a dot would end the field).
 std::string this_host() {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
-  return host;
+  std::string h = host;
+  std::replace(h.begin(), h.end(), '.', '_');
+  return h;
 }
 
 // ".step-12.4242@gpu1.0a1b2c3d.tmp" (or ".tmp.old"): the temporary folder of step 12 written by
@@ -214,7 +217,9 @@ class Cursor {
   }
   std::string string(const char* what) {
     const auto n = get<std::uint32_t>(what);
-    if (n > kMaxName) throw Error(fmt::format("{}: a {} of {} bytes; the part is damaged", file_.string(), what, n));
+    if (n > kMaxName)
+      throw Error(
+          fmt::format("{}: a {} of {} bytes; the part is damaged", file_.string(), what, n));
     const auto* p = bytes(n, what);
     return std::string(reinterpret_cast<const char*>(p), n);
   }
@@ -287,7 +292,8 @@ void PartWriter::add(const std::string& key, const std::string& cls, const twk_v
     const twk_tensor_v1& t = state.tensors[i];
     if (!dtype_known(t.dtype) || t.ndim < 0 || t.ndim > kMaxDims || (t.ndim > 0 && !t.shape) ||
         (t.nbytes > 0 && !t.data)) {
-      throw Error(fmt::format("state of {}: tensor {} is malformed (dtype, shape or data)", cls, i));
+      throw Error(
+          fmt::format("state of {}: tensor {} is malformed (dtype, shape or data)", cls, i));
     }
     write(&t.dtype, sizeof t.dtype);
     write(&t.ndim, sizeof t.ndim);
@@ -301,8 +307,8 @@ void PartWriter::add(const std::string& key, const std::string& cls, const twk_v
 
 PartWriter::Written PartWriter::finish() {
   if (written_ != expected_) {
-    throw Error(fmt::format("{}: {} of {} states were written", file_.string(), written_,
-                            expected_));
+    throw Error(
+        fmt::format("{}: {} of {} states were written", file_.string(), written_, expected_));
   }
   if (::fsync(fd_.get()) != 0)
     throw Error(fmt::format("cannot flush {} to disk: {}", file_.string(), errno_text()));
@@ -357,11 +363,26 @@ Part Part::read(const fs::path& file, const std::string& sha256) {
       const auto dtype = c.get<std::int32_t>("a dtype");
       const auto ndim = c.get<std::int32_t>("a shape");
       if (!dtype_known(dtype) || ndim < 0 || ndim > kMaxDims)
-        throw Error(fmt::format("{}: tensor {} of {} has a bad dtype or shape", file.string(), i, key));
+        throw Error(
+            fmt::format("{}: tensor {} of {} has a bad dtype or shape", file.string(), i, key));
       std::vector<std::int64_t> shape(static_cast<std::size_t>(ndim));
       std::memcpy(shape.data(), c.bytes(sizeof(std::int64_t) * shape.size(), "a shape"),
                   sizeof(std::int64_t) * shape.size());
+      std::uint64_t numel = 1;
+      for (const auto d : shape) {
+        if (d < 0 || __builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel)) {
+          throw Error(fmt::format("{}: tensor {} of {} has a bad shape", file.string(), i, key));
+        }
+      }
       const auto nbytes = c.get<std::uint64_t>("a tensor's size");
+      std::uint64_t want = 0;
+      if (__builtin_mul_overflow(numel, dtype_size(static_cast<DType>(dtype)), &want) ||
+          want != nbytes) {
+        throw Error(
+            fmt::format("{}: tensor {} of {}: its shape needs another size than its {} "
+                        "bytes",
+                        file.string(), i, key, nbytes));
+      }
       c.align(kDataAlignment);
       const auto* data = c.bytes(nbytes, "a tensor");
       try {
@@ -382,9 +403,10 @@ EncodedValue* Part::state(const std::string& key, const std::string& cls) {
   auto it = records_.find(key);
   if (it == records_.end()) return nullptr;
   if (it->second.cls != cls) {
-    throw Error(fmt::format("{}: the state of {} is a {}'s, not a {}'s (the driver creates its "
-                            "instances in another order than the run that saved it)",
-                            file_.string(), key, it->second.cls, cls));
+    throw Error(
+        fmt::format("{}: the state of {} is a {}'s, not a {}'s (the driver creates its "
+                    "instances in another order than the run that saved it)",
+                    file_.string(), key, it->second.cls, cls));
   }
   return &it->second.value;
 }
@@ -407,7 +429,8 @@ std::vector<std::string> differences(const std::vector<GroupShape>& saved,
                                      const std::vector<GroupShape>& job) {
   auto mesh_text = [](const GroupShape& g) {
     std::string out;
-    for (const auto& [dim, size] : g.mesh) out += fmt::format("{}{}={}", out.empty() ? "" : " ", dim, size);
+    for (const auto& [dim, size] : g.mesh)
+      out += fmt::format("{}{}={}", out.empty() ? "" : " ", dim, size);
     return out.empty() ? std::string("none") : out;
   };
   std::vector<std::string> out;
@@ -465,7 +488,8 @@ std::optional<Found> newest(const fs::path& root) {
 }
 
 fs::path begin(const fs::path& root, std::int64_t step, const std::string& run_id) {
-  if (step < 0) throw Error(fmt::format("checkpoint: step {} is negative; steps count from 0", step));
+  if (step < 0)
+    throw Error(fmt::format("checkpoint: step {} is negative; steps count from 0", step));
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec || !fs::is_directory(root)) {
@@ -478,9 +502,17 @@ fs::path begin(const fs::path& root, std::int64_t step, const std::string& run_i
     pid_t pid = 0;
     std::string writer_host;
     if (!is_temporary(e.path().filename().string(), &pid, &writer_host)) continue;
-    if (writer_host == host && pid > 0 && pid != getpid() && ::kill(pid, 0) != 0 &&
-        errno == ESRCH)
-      fs::remove_all(e.path(), ec);
+    if (writer_host != host || pid <= 0 || pid == getpid() || ::kill(pid, 0) == 0 ||
+        errno != ESRCH)
+      continue;
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".tmp.old")) {
+      // A replaced checkpoint moved aside (no RENAME_EXCHANGE) whose writer died before the new
+      // one was in place: it goes back.
+      const fs::path back = root / fmt::format("step-{:010}", std::atoll(name.c_str() + 6));
+      if (!fs::exists(back, ec) && ::rename(e.path().c_str(), back.c_str()) == 0) continue;
+    }
+    fs::remove_all(e.path(), ec);
   }
   const fs::path tmp = root / fmt::format(".step-{}.{}@{}.{}.tmp", step, getpid(), host, run_id);
   fs::remove_all(tmp, ec);
@@ -508,15 +540,19 @@ fs::path publish(const fs::path& root, const fs::path& tmp, Manifest m, int keep
       fs::remove_all(tmp, ec);
     } else if (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) {
       const fs::path old = tmp.string() + ".old";
-      if (::rename(final_dir.c_str(), old.c_str()) != 0 ||
-          ::rename(tmp.c_str(), final_dir.c_str()) != 0) {
-        throw Error(fmt::format("checkpoint: cannot replace {}: {}", final_dir.string(),
-                                errno_text()));
+      if (::rename(final_dir.c_str(), old.c_str()) != 0) {
+        throw Error(
+            fmt::format("checkpoint: cannot replace {}: {}", final_dir.string(), errno_text()));
+      }
+      if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+        const std::string why = errno_text();
+        ::rename(old.c_str(), final_dir.c_str());  // the old one back: it was the newest
+        throw Error(fmt::format("checkpoint: cannot replace {}: {}", final_dir.string(), why));
       }
       fs::remove_all(old, ec);
     } else {
-      throw Error(fmt::format("checkpoint: cannot replace {}: {}", final_dir.string(),
-                              errno_text()));
+      throw Error(
+          fmt::format("checkpoint: cannot replace {}: {}", final_dir.string(), errno_text()));
     }
   } else if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
     throw Error(fmt::format("checkpoint: cannot publish {}: {}", final_dir.string(), errno_text()));

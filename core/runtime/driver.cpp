@@ -200,11 +200,10 @@ class JobRun : public HostOps {
       throw CallError(fmt::format("{}: {}", what, e.what()));
     }
     try {
-      const auto parts = table_->save(
-          proto::Save{tmp.string(), "", step}, [this](std::size_t p) {
-            const WorkerInfo& w = table_->workers()[p];
-            return checkpoint::part_name(table_->groups()[w.group].name, w.index);
-          });
+      const auto parts = table_->save(proto::Save{tmp.string(), "", step}, [this](std::size_t p) {
+        const WorkerInfo& w = table_->workers()[p];
+        return checkpoint::part_name(table_->groups()[w.group].name, w.index);
+      });
       checkpoint::Manifest m;
       m.step = step;
       m.meta = meta;
@@ -216,8 +215,8 @@ class JobRun : public HostOps {
         m.parts.push_back({w.name, checkpoint::part_name(table_->groups()[w.group].name, w.index),
                            parts[p].sha256, parts[p].bytes, parts[p].instances});
       }
-      last_checkpoint_ = checkpoint::publish(checkpoint_root(), tmp, std::move(m),
-                                             job_.checkpoint_keep);
+      last_checkpoint_ =
+          checkpoint::publish(checkpoint_root(), tmp, std::move(m), job_.checkpoint_keep);
       last_step_ = step;
       return true;
     } catch (const CallError&) {
@@ -340,13 +339,13 @@ class JobRun : public HostOps {
           root.string(), found->manifest.step);
     }
     if (!found) {
-      if (!options_.resume) return fmt::format("no checkpoint in {} yet; starting fresh", root.string());
-      throw ConfigError(fmt::format(
-          "--resume: no complete checkpoint in {}; run without --resume to start fresh",
-          root.string()));
+      if (!options_.resume)
+        return fmt::format("no checkpoint in {} yet; starting fresh", root.string());
+      throw ConfigError(
+          fmt::format("--resume: no complete checkpoint in {}; run without --resume to start fresh",
+                      root.string()));
     }
-    const auto diffs =
-        checkpoint::differences(found->manifest.groups, checkpoint::shapes_of(job_));
+    const auto diffs = checkpoint::differences(found->manifest.groups, checkpoint::shapes_of(job_));
     if (!diffs.empty()) {
       throw ConfigError(fmt::format(
           "--resume: the checkpoint {} does not fit {}: {}; resume with the groups and meshes "
@@ -620,11 +619,12 @@ class JobRun : public HostOps {
         }
         if (signal_ != 0) continue;  // the first interrupt decides
         if ((sig == SIGTERM || sig == SIGUSR1) && !job_.checkpoint_dir.empty() &&
-            !stop_requested_) {
+            !stop_requested_ && !has_returned()) {
           stop_signal_ = sig;
           stop_requested_ = true;
-          grace_end = std::chrono::steady_clock::now() +
-                      std::chrono::milliseconds(static_cast<std::int64_t>(job_.stop_grace_s * 1000));
+          grace_end =
+              std::chrono::steady_clock::now() +
+              std::chrono::milliseconds(static_cast<std::int64_t>(job_.stop_grace_s * 1000));
           std::fflush(stdout);
           std::fprintf(stderr,
                        "\ntwinkle: %s: stop requested; the driver entry has %g s to checkpoint and "
@@ -705,15 +705,11 @@ class JobRun : public HostOps {
     }
     if (!any) return;
     launcher_->set_restartable(std::move(restartable));
-    table_->set_restarts(Restarts{[this](std::size_t peer, const std::string& text) {
-                                    return decide_restart(peer, text);
-                                  },
-                                  [this](std::size_t g) { respawn(g); },
-                                  [this](std::size_t g) { group_back(g); },
-                                  [this](std::size_t g) { return recovered_from(g); },
-                                  [this](std::size_t g) {
-                                    return job_.groups.at(g).max_restarts > 0;
-                                  }});
+    table_->set_restarts(Restarts{
+        [this](std::size_t peer, const std::string& text) { return decide_restart(peer, text); },
+        [this](std::size_t g) { respawn(g); }, [this](std::size_t g) { group_back(g); },
+        [this](std::size_t g) { return recovered_from(g); },
+        [this](std::size_t g) { return job_.groups.at(g).max_restarts > 0; }});
   }
 
   // Whether the loss of `peer` restarts its group: the group's budget in its window, and no
@@ -746,7 +742,9 @@ class JobRun : public HostOps {
     }
     // The first restart at once, then 1 s doubling to 30 s.
     const auto after = std::chrono::milliseconds(
-        times.empty() ? 0 : std::min<std::int64_t>(30'000, std::int64_t{1000} << std::min<std::size_t>(times.size() - 1, 5)));
+        times.empty() ? 0
+                      : std::min<std::int64_t>(30'000, std::int64_t{1000} << std::min<std::size_t>(
+                                                           times.size() - 1, 5)));
     times.push_back(now);
     ++generation_[w.group];
     restart_log_.push_back(
@@ -807,10 +805,10 @@ class JobRun : public HostOps {
     std::fflush(stdout);
     std::fprintf(stderr, "twinkle: %zu restart(s) in this run:\n", restart_log_.size());
     for (const auto& r : restart_log_) {
-      std::fprintf(stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
-                   r.cause.substr(0, r.cause.find('\n')).c_str(),
-                   r.recovered_s ? fmt::format("back in {:.2f} s", *r.recovered_s).c_str()
-                                 : "not back");
+      std::fprintf(
+          stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
+          r.cause.substr(0, r.cause.find('\n')).c_str(),
+          r.recovered_s ? fmt::format("back in {:.2f} s", *r.recovered_s).c_str() : "not back");
     }
     std::fflush(stderr);
   }
@@ -826,8 +824,8 @@ class JobRun : public HostOps {
       where = fmt::format("after the checkpoint of step {} ({})", *last_step_,
                           last_checkpoint_.string());
     } else if (auto n = checkpoint::newest(checkpoint_root())) {
-      where = fmt::format("without a new checkpoint (the newest is step {}, {})",
-                          n->manifest.step, n->dir.string());
+      where = fmt::format("without a new checkpoint (the newest is step {}, {})", n->manifest.step,
+                          n->dir.string());
     } else {
       where = "without a checkpoint (--resume will find none)";
     }
@@ -918,7 +916,7 @@ class JobRun : public HostOps {
   };
   static constexpr std::size_t kCrashLoopDeaths = 3;
   std::vector<RestartRecord> restart_log_;
-  std::vector<int> generation_;  // by group
+  std::vector<int> generation_;                                                   // by group
   std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
   std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;
   std::vector<std::optional<checkpoint::Found>> restart_resume_;  // by group

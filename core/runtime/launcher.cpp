@@ -68,6 +68,9 @@ void LocalLauncher::restart(const std::vector<std::size_t>& peers,
       std::lock_guard lock(pids_mu_);
       old = std::exchange(pids_.at(p), 0);
       if (old > 0) replaced_.insert(old);  // its exit, whenever it comes, is not a loss
+      // A loss of this peer reported but not read yet is of the process being replaced (on_exit
+      // reports under this lock, so none can come in between).
+      channel_.forget_lost(p);
     }
     if (old > 0) ::kill(old, SIGKILL);
   }
@@ -89,12 +92,13 @@ void LocalLauncher::on_exit(const ProcessExit& e) {
   if (expecting_exits_) return;
   const auto peer =
       static_cast<std::size_t>(std::find(names_.begin(), names_.end(), e.name) - names_.begin());
+  std::unique_lock lock(pids_mu_);
   if (peer < names_.size()) {
-    std::lock_guard lock(pids_mu_);
     if (replaced_.erase(e.pid)) return;  // a process that a restart replaced
     // An exit that raced its own spawn() returning: that is the current process.
     if (pids_[peer] == 0) pids_[peer] = e.pid;
     if (pids_[peer] != e.pid) return;
+    pids_[peer] = -1;  // reaped: a restart must not signal its pid (it may be reused)
   }
   if (peer < restartable_.size() && restartable_[peer]) {
     std::fprintf(stderr, "twinkle: worker %s (pid %d) %s\n", e.name.c_str(), e.pid,
@@ -105,9 +109,10 @@ void LocalLauncher::on_exit(const ProcessExit& e) {
       reason += "; its last stderr lines:";
       for (const auto& l : e.last_stderr) reason += "\n    | " + l;
     }
-    channel_.lost(peer, std::move(reason));
+    channel_.lost(peer, std::move(reason));  // under pids_mu_: restart() forgets it atomically
     return;
   }
+  lock.unlock();
   if (failed_.exchange(true)) return;
   std::fprintf(stderr, "twinkle: worker %s (pid %d) %s; stopping the other workers\n",
                e.name.c_str(), e.pid, e.describe().c_str());

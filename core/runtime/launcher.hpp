@@ -116,9 +116,9 @@ class LocalLauncher : public Launcher {
   transport::LocalDriverChannel& channel_;
   std::vector<std::string> names_;  // by peer; fixed before the first worker starts
   std::vector<WorkerLaunch> launches_;
-  std::vector<bool> restartable_;   // by peer
+  std::vector<bool> restartable_;  // by peer
   mutable std::mutex pids_mu_;
-  std::vector<pid_t> pids_;  // by peer: its current process (0: not known yet)
+  std::vector<pid_t> pids_;   // by peer: its current process (0: not known yet)
   std::set<pid_t> replaced_;  // processes a restart replaced: their exits are not losses
   std::atomic<bool> expecting_exits_{false};
   std::atomic<bool> failed_{false};

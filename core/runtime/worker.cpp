@@ -223,8 +223,7 @@ class Worker : public HostOps {
       timeout_ = std::chrono::milliseconds(static_cast<std::int64_t>(welcome->timeout_s * 1000));
       comms_ = std::make_unique<Communicators>(
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
-                                  timeout_, welcome->kv, security_, node_ip_,
-                                  welcome->generation});
+                                  timeout_, welcome->kv, security_, node_ip_, welcome->generation});
       peers_from(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
         resume_step_ = welcome->resume->step;
@@ -590,7 +589,8 @@ class Worker : public HostOps {
     // The state's key: who made it, the class, and how many of those it made here before, so
     // that the same driver code finds the same state again.
     const std::string maker = from.empty() ? "driver" : from;
-    const std::string key = fmt::format("{}/{}/{}", maker, cls->name, made_[maker + "/" + cls->name]++);
+    const std::string key =
+        fmt::format("{}/{}/{}", maker, cls->name, made_[maker + "/" + cls->name]++);
     if (auto restored = restore(*cls, self, key)) {
       cls->destruct(self);
       return proto::Created{std::move(restored)};
@@ -638,18 +638,17 @@ class Worker : public HostOps {
           const Instance* inst;
           std::optional<std::string> error;
         } t{&part, inst, std::nullopt};
-        twk_sink_v1 sink{&t,
-                         [](void* p, const twk_value_v1* v) {
-                           auto* t = static_cast<Target*>(p);
-                           try {
-                             t->part->add(t->inst->key, t->inst->cls->name, *v);
-                           } catch (const std::exception& e) {
-                             t->error = e.what();
-                           }
-                         },
-                         [](void* p, const char* msg) {
-                           static_cast<Target*>(p)->error = msg ? msg : "";
-                         }};
+        twk_sink_v1 sink{
+            &t,
+            [](void* p, const twk_value_v1* v) {
+              auto* t = static_cast<Target*>(p);
+              try {
+                t->part->add(t->inst->key, t->inst->cls->name, *v);
+              } catch (const std::exception& e) {
+                t->error = e.what();
+              }
+            },
+            [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
         twk_context_v1 ctx = context();
         if (inst->cls->save(inst->self, &host_, &ctx, &sink) != TWK_OK || t.error) {
           return proto::Saved{fmt::format("{}.save: {}", inst->cls->name,
@@ -702,8 +701,8 @@ class Worker : public HostOps {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
   std::map<std::uint64_t, Instance> instances_;
-  std::vector<std::uint64_t> order_;    // instances_ in the order they were made
-  std::map<std::string, int> made_;     // "maker/Class" -> how many were made here
+  std::vector<std::uint64_t> order_;        // instances_ in the order they were made
+  std::map<std::string, int> made_;         // "maker/Class" -> how many were made here
   std::optional<checkpoint::Part> resume_;  // a resumed run: this worker's part
   std::string resume_error_;                // ... or why it could not be read
   std::int64_t resume_step_ = 0;

@@ -13,10 +13,11 @@ namespace {
 // fault switches (TWINKLE_TEST_*) pass, so that a test can reach the workers.
 bool owned(const std::string& kv) {
   if (kv.starts_with("TWINKLE_TEST_")) return false;
-  static const char* kOwned[] = {
-      "RANK=",        "LOCAL_RANK=",  "WORLD_SIZE=",           "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
-      "MASTER_ADDR=", "MASTER_PORT=", "CUDA_VISIBLE_DEVICES=", "TWINKLE_",
-      "TORCHELASTIC_RESTART_COUNT="};
+  static const char* kOwned[] = {"RANK=",        "LOCAL_RANK=",
+                                 "WORLD_SIZE=",  "LOCAL_WORLD_SIZE=",
+                                 "GROUP_RANK=",  "MASTER_ADDR=",
+                                 "MASTER_PORT=", "CUDA_VISIBLE_DEVICES=",
+                                 "TWINKLE_",     "TORCHELASTIC_RESTART_COUNT="};
   return std::any_of(std::begin(kOwned), std::end(kOwned),
                      [&](const char* k) { return kv.starts_with(k); });
 }

@@ -306,8 +306,8 @@ class Mlp {
   int hidden_;
   double lr_;
   double momentum_;
-  int epoch_ = 0;       // epochs trained
-  int fail_epoch_ = 0;  // args.fail_at for this rank (0: none)
+  int epoch_ = 0;               // epochs trained
+  int fail_epoch_ = 0;          // args.fail_at for this rank (0: none)
   std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
   std::vector<double> velocity_;
 #ifdef DIGITS_HAVE_CUDA
@@ -402,9 +402,10 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
     } catch (const twinkle::WorkerLost& e) {
       // The group restarted (from the newest checkpoint, or fresh): go on from its epoch.
       const int at = model.call("epoch").get().as<int>();
-      d.log("a model worker was lost in epoch {}; the group is back at epoch {}, going on from "
-            "there",
-            epoch, at);
+      d.log(
+          "a model worker was lost in epoch {}; the group is back at epoch {}, going on from "
+          "there",
+          epoch, at);
       rewind(at);
       epoch = at + 1;
     }

@@ -1,9 +1,13 @@
 // Checkpoints on disk (core/runtime/checkpoint): parts written and read back, manifests,
 // publishing, the newest complete one, pruning and the job's shape.
+#include <openssl/evp.h>
 #include <unistd.h>
+
+#include <cstdio>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -96,6 +100,45 @@ TEST_CASE("a damaged or short part is refused naming the file", "[checkpoint]") 
                     Catch::Contains("cannot open"));
 }
 
+TEST_CASE("a part whose checksum fits but whose tensor does not is refused", "[checkpoint]") {
+  // A hostile part: a valid sha256 over a record whose shape's product overflows to match
+  // its 8 bytes of data.
+  TempDir d;
+  std::string bytes = "TWKPART1";
+  auto put = [&](const auto& v) { bytes.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  put(std::uint32_t{1});
+  put(std::uint32_t{0});
+  for (std::string str : {"driver/Model/0", "Model"}) {
+    put(static_cast<std::uint32_t>(str.size()));
+    bytes += str;
+  }
+  const twinkle::EncodedValue e =
+      twinkle::encode(Value::map({{"t", Tensor::from(std::vector<double>{1})}}));
+  put(static_cast<std::uint64_t>(e.msgpack.size()));
+  bytes += e.msgpack;
+  put(std::uint32_t{1});
+  put(std::int32_t{1});  // f64
+  put(std::int32_t{2});
+  put(std::int64_t{1} << 62);
+  put(std::int64_t{4});  // 2^64 elements: 0 after overflow, times 8 bytes
+  put(std::uint64_t{8});
+  bytes.append((64 - bytes.size() % 64) % 64, '\0');
+  put(1.0);
+  const fs::path file = d.path / "hostile.part";
+  std::ofstream(file, std::ios::binary) << bytes;
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_Digest(bytes.data(), bytes.size(), digest, &len, EVP_sha256(), nullptr);
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) {
+    char b[3];
+    std::snprintf(b, sizeof b, "%02x", digest[i]);
+    hex += b;
+  }
+  CHECK_THROWS_WITH(ck::Part::read(file, hex),
+                    Catch::Contains("tensor 0 of driver/Model/0 has a bad shape"));
+}
+
 TEST_CASE("a part writer refuses to overwrite and counts its states", "[checkpoint]") {
   TempDir d;
   const fs::path file = d.path / "p.part";
@@ -145,16 +188,27 @@ TEST_CASE("what an interrupted writer leaves is never a checkpoint", "[checkpoin
   CHECK(ck::list(root).size() == 1);
 
   // A temporary folder of a writer that is gone (no such pid) is removed by the next begin.
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const fs::path stale = root / (".step-3.999999999@" + std::string(host) + ".dead.tmp");
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  std::string host = name;
+  std::replace(host.begin(), host.end(), '.', '_');  // as the names carry it
+  const fs::path stale = root / (".step-3.999999999@" + host + ".dead.tmp");
   // Another host's: its writer may be alive there, so it stays.
   const fs::path elsewhere = root / ".step-3.999999999@elsewhere.x.tmp";
   fs::create_directories(elsewhere);
   fs::create_directories(stale);
+  // A checkpoint moved aside to be replaced (where RENAME_EXCHANGE is missing) by a writer that
+  // died before the new one was in place goes back: it is the newest.
+  const fs::path seven = publish(root, 7);
+  const fs::path aside = root / (".step-7.999999999@" + host + ".dead.tmp.old");
+  fs::rename(seven, aside);
+  CHECK(ck::newest(root)->manifest.step == 1);
   ck::begin(root, 4, "r");
   CHECK_FALSE(fs::exists(stale));
   CHECK(fs::exists(elsewhere));
+  CHECK_FALSE(fs::exists(aside));
+  REQUIRE(ck::newest(root));
+  CHECK(ck::newest(root)->manifest.step == 7);
 }
 
 TEST_CASE("a manifest keeps plain meta only", "[checkpoint]") {

@@ -118,7 +118,8 @@ TEST_CASE("checkpoint keys", "[job]") {
         "from");
   CHECK_THAT(error_of(kJob + "checkpoint_dir = \"c\"\nresume = \"nevr\"\n" + group),
              Catch::Contains("did you mean \"never\"?"));
-  CHECK_THAT(error_of(kJob + "checkpoint_keep = 0\n" + group), Catch::StartsWith("jobs/job.toml:4:"));
+  CHECK_THAT(error_of(kJob + "checkpoint_keep = 0\n" + group),
+             Catch::StartsWith("jobs/job.toml:4:"));
   CHECK_THAT(error_of(kJob + "checkpoint_keep = 1001\n" + group),
              Catch::Contains("job.checkpoint_keep must be 1 to 1000, not 1001"));
   CHECK_THAT(error_of(kJob + "checkpoint_dir = \"\"\n" + group),
@@ -143,12 +144,15 @@ TEST_CASE("restart keys", "[job]") {
         "none");
   CHECK_THAT(error_of(kJob + g + "recover = \"checkpoint\"\n"),
              Catch::Contains("recover = \"checkpoint\" needs job.checkpoint_dir"));
-  CHECK_THAT(error_of(kJob + g + "restart = \"worker\"\n"),
-             Catch::Contains("restart = \"worker\" (replacing only the lost ranks) is not available "
-                             "yet; use restart = \"group\""));
-  CHECK_THAT(error_of(kJob + g + "restart = \"grup\"\n"), Catch::Contains("did you mean \"group\"?"));
-  CHECK_THAT(error_of(kJob + g + "recover = \"peer\"\n"),
-             Catch::Contains("recover = \"peer\" (a live copy from a replica) is not available yet"));
+  CHECK_THAT(
+      error_of(kJob + g + "restart = \"worker\"\n"),
+      Catch::Contains("restart = \"worker\" (replacing only the lost ranks) is not available "
+                      "yet; use restart = \"group\""));
+  CHECK_THAT(error_of(kJob + g + "restart = \"grup\"\n"),
+             Catch::Contains("did you mean \"group\"?"));
+  CHECK_THAT(
+      error_of(kJob + g + "recover = \"peer\"\n"),
+      Catch::Contains("recover = \"peer\" (a live copy from a replica) is not available yet"));
   CHECK_THAT(error_of(kJob + g + "max_restarts = -1\n"),
              Catch::Contains("max_restarts must be 0 to 1000, not -1"));
   CHECK_THAT(error_of(kJob + g + "restart_window_s = 0\n"),

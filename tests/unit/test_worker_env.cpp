@@ -109,13 +109,18 @@ TEST_CASE("rendezvous, devices and the TWINKLE_ variables", "[env]") {
 
 TEST_CASE("owned variables of the launcher's environment are replaced, not duplicated", "[env]") {
   TwoNodes t;
-  const std::vector<std::string> base = {
-      "PATH=/usr/bin",         "RANK=99",
-      "LOCAL_RANK=7",          "WORLD_SIZE=100",
-      "MASTER_ADDR=elsewhere", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7",
-      "TWINKLE_X=leftover",    "TWINKLE_GROUP=other",
-      "RANKING=kept",          "HOME=/home/u",
-      "TORCHELASTIC_RESTART_COUNT=5", "TWINKLE_TEST_FAULT=passes"};
+  const std::vector<std::string> base = {"PATH=/usr/bin",
+                                         "RANK=99",
+                                         "LOCAL_RANK=7",
+                                         "WORLD_SIZE=100",
+                                         "MASTER_ADDR=elsewhere",
+                                         "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7",
+                                         "TWINKLE_X=leftover",
+                                         "TWINKLE_GROUP=other",
+                                         "RANKING=kept",
+                                         "HOME=/home/u",
+                                         "TORCHELASTIC_RESTART_COUNT=5",
+                                         "TWINKLE_TEST_FAULT=passes"};
   const auto env = t.env(0, 2, base);
   CHECK(get(env, "RANK") == "2");
   CHECK(get(env, "LOCAL_RANK") == "0");

@@ -176,6 +176,13 @@ void ChannelEvents::wake() {
   (void)!::write(wake_.get(), &one, sizeof one);
 }
 
+void ChannelEvents::forget(std::size_t peer) {
+  std::lock_guard lock(mu_);
+  std::erase_if(pending_, [&](const ChannelEvent& e) {
+    return e.kind == ChannelEvent::Kind::lost && e.peer == peer;
+  });
+}
+
 std::optional<ChannelEvent> ChannelEvents::take() {
   std::lock_guard lock(mu_);
   if (pending_.empty()) return std::nullopt;

@@ -63,6 +63,8 @@ class ChannelEvents {
   void wake();
   // A queued lost event, if any.
   std::optional<ChannelEvent> take();
+  // Drops the queued lost events of `peer` (its process was replaced).
+  void forget(std::size_t peer);
   int fd() const { return wake_.get(); }
   // After fd() polled readable: clears it and returns the queued event, or a wake event.
   ChannelEvent signalled();
@@ -129,6 +131,8 @@ class RouterDriverChannel : public CallChannel {
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
   std::uint64_t dropped() const override { return drops_.count(); }
+  // Drops the queued lost events of `peer`: they are of a process a restart replaced.
+  void forget_lost(std::size_t peer) { events_.forget(peer); }
 
  protected:
   RouterDriverChannel(zmq::context_t& context, std::vector<std::string> identities);

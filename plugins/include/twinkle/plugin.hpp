@@ -830,10 +830,9 @@ struct Registry {
                                              m.collect.fn, m.invoke, m.retries});
       }
       const auto& c = classes[i];
-      c_classes.push_back(twk_class_v1{sizeof(twk_class_v1), c.name.c_str(), c.execute, c.construct,
-                                       c.destruct, c_methods[i].data(),
-                                       static_cast<std::uint32_t>(c_methods[i].size()), c.save,
-                                       c.load});
+      c_classes.push_back(twk_class_v1{
+          sizeof(twk_class_v1), c.name.c_str(), c.execute, c.construct, c.destruct,
+          c_methods[i].data(), static_cast<std::uint32_t>(c_methods[i].size()), c.save, c.load});
     }
     table = twk_plugin_v1{TWK_ABI_VERSION,
                           sizeof(twk_plugin_v1),
@@ -1018,9 +1017,9 @@ struct CollectorRegistrar {
 // `twinkle::Value Cls::save(twinkle::Context&)` (a map of tensors and numbers) and
 // `void Cls::load(twinkle::Context&, const twinkle::Value&)`, which gets what save returned,
 // right after the constructor ran. The runtime writes and reads the files.
-#define TWINKLE_STATE(Cls, save, load)                                             \
-  static ::twinkle::detail::StateRegistrar TWK_CAT(twk_state_, Cls)(               \
-      #Cls, &::twinkle::detail::save_state<Cls, &Cls::save>,                       \
+#define TWINKLE_STATE(Cls, save, load)                               \
+  static ::twinkle::detail::StateRegistrar TWK_CAT(twk_state_, Cls)( \
+      #Cls, &::twinkle::detail::save_state<Cls, &Cls::save>,         \
       &::twinkle::detail::load_state<Cls, &Cls::load>)
 
 // Declares a driver entry: TWINKLE_DRIVER(main, twinkle::Driver& d) { ... }
