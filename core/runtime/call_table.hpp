@@ -164,7 +164,7 @@ class CallTable {
     std::vector<int> workers;                        // where it lives (worker indices)
     bool whole = true;                               // on every worker of the group
     std::map<int, std::optional<std::string>> acks;  // worker index -> error (nullopt: ok)
-    EncodedValue args;  // its constructor's, to make it again when its group restarts
+    EncodedValue args;      // its constructor's, to make it again when its group restarts
     bool made = false;      // constructed on every worker
     bool creating = false;  // create() waits for it: a restart makes it on the replacements
   };

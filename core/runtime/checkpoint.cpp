@@ -14,7 +14,6 @@
 #include <ctime>
 #include <fstream>
 #include <memory>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -502,8 +501,7 @@ fs::path begin(const fs::path& root, std::int64_t step, const std::string& run_i
     pid_t pid = 0;
     std::string writer_host;
     if (!is_temporary(e.path().filename().string(), &pid, &writer_host)) continue;
-    if (writer_host != host || pid <= 0 || pid == getpid() || ::kill(pid, 0) == 0 ||
-        errno != ESRCH)
+    if (writer_host != host || pid <= 0 || pid == getpid() || ::kill(pid, 0) == 0 || errno != ESRCH)
       continue;
     const std::string name = e.path().filename().string();
     if (name.ends_with(".tmp.old")) {

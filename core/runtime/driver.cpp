@@ -219,13 +219,10 @@ class JobRun : public HostOps {
           checkpoint::publish(checkpoint_root(), tmp, std::move(m), job_.checkpoint_keep);
       last_step_ = step;
       return true;
-    } catch (const CallError&) {
-      std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);
-      throw;
     } catch (const Error& e) {
       std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);
+      std::filesystem::remove_all(tmp, ec);  // nothing published changes
+      if (dynamic_cast<const CallError*>(&e)) throw;
       throw CallError(fmt::format("{}: {}", what, e.what()));
     }
   }
