@@ -139,7 +139,7 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
     const std::string run = fmt::format("r{}", i);
     const auto r = link.request<twinkle::transport::proto::Reservation>(
         Message{static_cast<std::uint64_t>(i + 1),
-                twinkle::transport::proto::Reserve{run, "bench", "bench", false, groups}},
+                twinkle::transport::proto::Reserve{run, "bench", "bench", false, groups, {}}},
         std::chrono::seconds(10));
     if (!r.ok) throw std::runtime_error("reservation refused");
     link.send(Message{0, twinkle::transport::proto::Release{run}});

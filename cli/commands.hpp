@@ -17,5 +17,6 @@ void setup_inspect(CLI::App& app, Action& action);
 void setup_run(CLI::App& app, Action& action);
 void setup_worker(CLI::App& app, Action& action);
 void setup_keygen(CLI::App& app, Action& action);
+void setup_jobs(CLI::App& app, Action& action);
 
 }  // namespace twinkle::cli

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   twinkle::cli::setup_nodes(app, action);
   twinkle::cli::setup_node(app, action);
   twinkle::cli::setup_inspect(app, action);
+  twinkle::cli::setup_jobs(app, action);
   twinkle::cli::setup_keygen(app, action);
   twinkle::cli::setup_worker(app, action);
 

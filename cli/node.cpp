@@ -20,6 +20,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
@@ -52,9 +53,17 @@ struct NodeStartOptions {
   bool daemon = false;
   std::string pid_file;
   std::string log_file;
+  std::string state_dir;
+  int keep_jobs = 10000;
+  int job_log_mb = 64;
 };
 
 std::string default_pid_file() { return (core::cluster::twinkle_home() / "node.pid").string(); }
+
+// Where a node in the foreground says it runs, so that `twinkle node stop` finds it too.
+std::filesystem::path foreground_pid_file(pid_t pid) {
+  return core::cluster::twinkle_home() / "nodes" / fmt::format("{}.pid", pid);
+}
 
 void log_line(const std::string& who, const std::string& line) {
   const std::time_t t = std::time(nullptr);
@@ -140,6 +149,20 @@ int run_node_start(NodeStartOptions o) {
 
   Fd ready;
   if (o.daemon) ready = daemonize(o);
+  std::filesystem::path own_pid_file;
+  if (!o.daemon) {
+    own_pid_file = foreground_pid_file(getpid());
+    std::error_code ec;
+    std::filesystem::create_directories(own_pid_file.parent_path(), ec);
+    std::ofstream(own_pid_file, std::ios::trunc) << getpid() << "\n";
+  }
+  struct RemoveOnExit {
+    std::filesystem::path file;
+    ~RemoveOnExit() {
+      std::error_code ec;
+      if (!file.empty()) std::filesystem::remove(file, ec);
+    }
+  } remove_own{own_pid_file};
 
   std::atomic<bool> stop{false};
   std::unique_ptr<core::cluster::Head> head;
@@ -159,6 +182,11 @@ int run_node_start(NodeStartOptions o) {
       ho.bind_host = o.bind;
       ho.port = o.port;
       ho.log = [](const std::string& l) { log_line("head", l); };
+      ho.state_dir = o.state_dir.empty() ? core::cluster::twinkle_home() / "head"
+                                         : std::filesystem::path(o.state_dir);
+      ho.keep_jobs = o.keep_jobs;
+      ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
+      ho.exe = core::twinkle_binary();
       const bool secure = ho.security.socket.secure();
       const std::string head_public = secure ? ho.security.socket.keys->public_key : "";
       head = std::make_unique<core::cluster::Head>(std::move(ho));
@@ -224,32 +252,75 @@ struct NodeStopOptions {
   double timeout_s = 15;
 };
 
-int run_node_stop(const NodeStopOptions& o) {
-  const std::string file = o.pid_file.empty() ? default_pid_file() : o.pid_file;
+// True when `pid` runs `twinkle node start` (and not some process that took its pid since).
+bool is_node_process(long pid) {
+  std::ifstream in(fmt::format("/proc/{}/cmdline", pid), std::ios::binary);
+  std::string cmd((std::istreambuf_iterator<char>(in)), {});
+  return cmd.find(std::string("node\0start", 10)) != std::string::npos;
+}
+
+// Stops the node of `file` (SIGTERM, then waits); false when none runs there (the file is
+// removed then).
+bool stop_node(const std::string& file, double timeout_s) {
   std::ifstream in(file);
   long pid = 0;
-  if (!(in >> pid) || pid <= 1) {
-    throw ConfigError(fmt::format(
-        "{}: no pid file of a node started with --daemon (a node in the foreground stops with "
-        "Ctrl-C or SIGTERM); pass --pid-file",
-        file));
-  }
+  if (!(in >> pid) || pid <= 1) return false;
   Fd fd(static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0)));
-  if (!fd) {
+  if (!fd || !is_node_process(pid)) {
     std::error_code ec;
     std::filesystem::remove(file, ec);
-    fmt::print(stderr, "twinkle: node (pid {}) is not running; removed {}\n", pid, file);
-    return kExitOk;
+    return false;
   }
   if (kill(static_cast<pid_t>(pid), SIGTERM) != 0) {
     throw Error(fmt::format("cannot signal the node (pid {}): {}", pid, std::strerror(errno)));
   }
   pollfd p{fd.get(), POLLIN, 0};
-  if (poll(&p, 1, static_cast<int>(o.timeout_s * 1000)) <= 0) {
+  if (poll(&p, 1, static_cast<int>(timeout_s * 1000)) <= 0) {
     throw Error(
-        fmt::format("the node (pid {}) did not stop within {:g} s of SIGTERM", pid, o.timeout_s));
+        fmt::format("the node (pid {}) did not stop within {:g} s of SIGTERM", pid, timeout_s));
   }
   fmt::print("twinkle: stopped the node (pid {})\n", pid);
+  return true;
+}
+
+int run_node_stop(const NodeStopOptions& o) {
+  if (!o.pid_file.empty()) {
+    std::ifstream in(o.pid_file);
+    long pid = 0;
+    if (!(in >> pid) || pid <= 1) {
+      throw ConfigError(fmt::format(
+          "{}: no pid file of a node started with --daemon; without --pid-file, `twinkle node "
+          "stop` stops every node of this user on this machine",
+          o.pid_file));
+    }
+    if (!stop_node(o.pid_file, o.timeout_s)) {
+      fmt::print(stderr, "twinkle: node (pid {}) is not running; removed {}\n", pid, o.pid_file);
+    }
+    return kExitOk;
+  }
+  // Every node of this user here, in the background (node.pid) or in the foreground (nodes/).
+  std::vector<std::string> files = {default_pid_file()};
+  std::error_code ec;
+  for (const auto& e :
+       std::filesystem::directory_iterator(core::cluster::twinkle_home() / "nodes", ec)) {
+    if (e.path().extension() == ".pid") files.push_back(e.path().string());
+  }
+  int stopped = 0;
+  std::vector<std::string> failed;  // each node is tried, whatever another did
+  for (const auto& f : files) {
+    try {
+      stopped += stop_node(f, o.timeout_s) ? 1 : 0;
+    } catch (const Error& e) {
+      failed.push_back(e.what());
+    }
+  }
+  if (!failed.empty()) throw Error(fmt::format("{}", fmt::join(failed, "; ")));
+  if (stopped == 0) {
+    throw ConfigError(fmt::format(
+        "no node of this user runs on this machine (none in {} or {}/); a node started by "
+        "another user or with another TWINKLE_HOME is stopped by that user, or with --pid-file",
+        default_pid_file(), (core::cluster::twinkle_home() / "nodes").string()));
+  }
   return kExitOk;
 }
 
@@ -283,14 +354,27 @@ void setup_node(CLI::App& app, Action& action) {
                     "source address of the route to the head)");
   start->add_option("--cache-dir", o->cache_dir,
                     "Where plugins are kept by sha256 (default ~/.twinkle/plugins)");
+  start->add_option("--state-dir", o->state_dir,
+                    "With --head: where the job service keeps its history, uploads and jobs' "
+                    "folders (default ~/.twinkle/head)");
+  start
+      ->add_option("--keep-jobs", o->keep_jobs,
+                   "With --head: ended jobs kept in the history (default 10000)")
+      ->check(CLI::Range(1, 10000000));
+  start
+      ->add_option("--job-log-mb", o->job_log_mb,
+                   "With --head: MiB of log kept per submitted job, rotated (default 64)")
+      ->check(CLI::Range(1, 1 << 20));
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");
   start->callback([o, &action] { action = [o] { return run_node_start(*o); }; });
 
   auto so = std::make_shared<NodeStopOptions>();
-  auto* stop = node->add_subcommand("stop", "Stop a node started with --daemon");
-  stop->add_option("--pid-file", so->pid_file, "Its pid file (default ~/.twinkle/node.pid)");
+  auto* stop = node->add_subcommand(
+      "stop", "Stop this machine's nodes (heads and agents, --daemon or in the foreground)");
+  stop->add_option("--pid-file", so->pid_file,
+                   "Only the node of this pid file (default: every node of this user here)");
   stop->add_option("--timeout", so->timeout_s, "Seconds to wait for it to stop")
       ->check(CLI::Range(0.1, 3600.0));
   stop->callback([so, &action] { action = [so] { return run_node_stop(*so); }; });

@@ -10,6 +10,7 @@
 
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
+#include "cli/json_value.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/slurm.hpp"
 #include "core/job/resources.hpp"
@@ -23,24 +24,6 @@ struct NodesOptions {
   bool json = false;
   ClusterFlags cluster;
 };
-
-nlohmann::json to_json(const Value& v) {
-  if (v.is_map()) {
-    nlohmann::json j = nlohmann::json::object();
-    for (const auto& [k, x] : v.map_items()) j[k] = to_json(x);
-    return j;
-  }
-  if (v.is_list()) {
-    nlohmann::json j = nlohmann::json::array();
-    for (const auto& x : v.list_items()) j.push_back(to_json(x));
-    return j;
-  }
-  if (v.is_string()) return v.as<std::string>();
-  if (v.is_bool()) return v.as<bool>();
-  if (v.is_int()) return v.as<std::int64_t>();
-  if (v.is_double()) return v.as<double>();
-  return nullptr;
-}
 
 // `twinkle nodes --address`: the head's node table and reservations, like `ray status`.
 int run_cluster_nodes(const NodesOptions& o, const std::string& address) {

@@ -1,6 +1,7 @@
-# bash completion for twinkle(1): commands, their flags, job files (*.toml) after run and
-# topology, plugin files (*.so) after inspect, folders and key files after the flags that take
-# them. Installed where bash-completion loads it on first use; or source it from ~/.bashrc.
+# bash completion for twinkle(1): commands, their flags, job files (*.toml) after run, topology
+# and submit, plugin files (*.so) after inspect, job states after jobs --state, folders and key
+# files after the flags that take them. Installed where bash-completion loads it on first use; or
+# source it from ~/.bashrc.
 # Keep the flags in step with cli/*.cpp: the completion_flags test compares them with --help.
 
 _twinkle_flags() {
@@ -14,11 +15,22 @@ _twinkle_flags() {
       ;;
     nodes) echo "--json --address --key --head-key --insecure --help" ;;
     inspect) echo "--json --help" ;;
-    keygen) echo "--out --force --help" ;;
+    submit)
+      echo "--set --name --working-dir --max-retries --after --wait --max-upload --json" \
+        "--address --key --head-key --insecure --help"
+      ;;
+    jobs) echo "--all --user --state --json --address --key --head-key --insecure --help" ;;
+    "job show") echo "--json --address --key --head-key --insecure --help" ;;
+    job) echo "--help" ;;
+    logs)
+      echo "--follow --rank --driver --grep --tail --address --key --head-key --insecure --help"
+      ;;
+    stop) echo "--now --address --key --head-key --insecure --help" ;;
+    keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
-        "--cache-dir --key --authorized-keys --head-key --insecure --daemon --pid-file" \
-        "--log-file --help"
+        "--cache-dir --state-dir --keep-jobs --job-log-mb --key --authorized-keys --head-key" \
+        "--insecure --daemon --pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;
     node) echo "--help" ;;
@@ -45,29 +57,36 @@ _twinkle() {
   local cmd="" i w
   COMPREPLY=()
 
-  # The command is the first word that is not a flag; `node` takes one more (start, stop).
+  # The command is the first word that is not a flag; `node` takes one more (start, stop), and
+  # `job` one more (show).
   for ((i = 1; i < COMP_CWORD; i++)); do
     w=${COMP_WORDS[i]}
     [[ $w == -* ]] && continue
     if [[ -z $cmd ]]; then
       cmd=$w
-    elif [[ $cmd == node ]]; then
-      cmd="node $w"
+    elif [[ $cmd == node || $cmd == job ]]; then
+      cmd="$cmd $w"
       break
     fi
   done
 
   # The value of a flag that takes one.
   case $prev in
-    --log-dir | --out)
+    --log-dir | --out | --working-dir | --state-dir | --cache-dir)
       _twinkle_files --dirs "$cur"
       return
       ;;
-    --key | --authorized-keys | --head-key | --pid-file)
+    --key | --authorized-keys | --head-key | --pid-file | --log-file)
       _twinkle_files "" "$cur"
       return
       ;;
-    --set | --gpus | --cpus | --port | --address | --labels | --node-id | --node-ip)
+    --state)
+      COMPREPLY=($(compgen -W "QUEUED RUNNING SUCCEEDED FAILED STOPPED DROPPED ENDED" -- "$cur"))
+      return
+      ;;
+    --set | --gpus | --cpus | --port | --address | --labels | --node-id | --node-ip | --name | \
+      --max-retries | --after | --max-upload | --user | --rank | --grep | --tail | --keep-jobs | \
+      --job-log-mb | --timeout)
       return
       ;;
   esac
@@ -77,9 +96,13 @@ _twinkle() {
     return
   fi
   case $cmd in
-    "") COMPREPLY=($(compgen -W "run topology nodes node inspect keygen" -- "$cur")) ;;
+    "")
+      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop keygen" \
+        -- "$cur"))
+      ;;
     node) COMPREPLY=($(compgen -W "start stop" -- "$cur")) ;;
-    run | topology) _twinkle_files .toml "$cur" ;;
+    job) COMPREPLY=($(compgen -W "show" -- "$cur")) ;;
+    run | topology | submit) _twinkle_files .toml "$cur" ;;
     inspect) _twinkle_files .so "$cur" ;;
   esac
 }

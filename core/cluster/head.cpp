@@ -16,6 +16,7 @@
 
 #include "core/cluster/scheduler.hpp"
 #include "core/job/values.hpp"
+#include "core/jobs/service.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
@@ -32,6 +33,8 @@ using Clock = std::chrono::steady_clock;
 // A node silent this long is DEAD; so is a run whose driver stops renewing its lease.
 constexpr auto kSilenceLimit = std::chrono::milliseconds(3000);
 constexpr auto kTick = std::chrono::milliseconds(250);
+// The job service looks at its drivers and its queue this often: a job ends or starts within it.
+constexpr auto kJobTick = std::chrono::milliseconds(50);
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -68,7 +71,28 @@ struct Run {
   // Learnt from the agents after a head restart (not reserved by this head): every node that
   // reports it adds its part.
   bool adopted = false;
+  // Held by the job service for a submitted job whose driver is starting (not leased).
+  std::int64_t hold_job = 0;
 };
+
+// How long a hold waits for its job's driver to reserve.
+constexpr auto kHoldLimit = std::chrono::seconds(120);
+
+std::string hold_id(std::int64_t job) { return fmt::format("job-{}-starting", job); }
+
+std::vector<GroupDemand> to_demands(const std::vector<proto::GroupDemandEntry>& groups) {
+  std::vector<GroupDemand> demands;
+  for (const auto& g : groups) {
+    GroupDemand d;
+    d.name = g.name;
+    d.workers = g.workers;
+    d.gpus_per_worker = g.gpus_per_worker;
+    d.strategy = placement_strategy(g.strategy).value_or(PlacementStrategy::pack);
+    d.labels = g.labels;
+    demands.push_back(std::move(d));
+  }
+  return demands;
+}
 
 }  // namespace
 
@@ -83,6 +107,7 @@ struct Head::State {
   std::vector<std::string> order;  // node ids in the order they first registered
   std::map<std::string, Run> runs;
   transport::DropLog drops{"the head's socket", [this](const std::string& line) { log(line); }};
+  std::unique_ptr<jobs::JobService> jobs;
 
   void log(const std::string& line) const {
     if (options.log) options.log(line);
@@ -211,18 +236,15 @@ struct Head::State {
         adopted.empty() ? "" : fmt::format("; adopted run(s) {}", fmt::join(adopted, ", "))));
   }
 
-  void on_reserve(const std::string& from, std::uint64_t request, const proto::Reserve& b) {
+  void on_reserve(const std::string& from, const std::string& user, std::uint64_t request,
+                  const proto::Reserve& b) {
     const std::string& run = b.run;
-    std::vector<GroupDemand> demands;
-    for (const auto& g : b.groups) {
-      GroupDemand d;
-      d.name = g.name;
-      d.workers = g.workers;
-      d.gpus_per_worker = g.gpus_per_worker;
-      d.strategy = placement_strategy(g.strategy).value_or(PlacementStrategy::pack);
-      d.labels = g.labels;
-      demands.push_back(std::move(d));
-    }
+    const std::vector<GroupDemand> demands = to_demands(b.groups);
+    // A submitted job's driver (it has the head's own key, or the cluster has none) takes over
+    // what was held for it; a job id from anyone else is not believed.
+    const std::optional<std::int64_t> job_id =
+        (user.empty() || user == "head") && !b.dry_run ? b.job_id : std::nullopt;
+    if (job_id) runs.erase(hold_id(*job_id));
     auto reply = [&](proto::Reservation r) { send(from, Message{request, std::move(r)}); };
     std::string why;
     if (!schedule(capacity(false), demands, &why)) {
@@ -280,6 +302,23 @@ struct Head::State {
       for (const auto& [id, bu] : per_node) used.push_back(id);
       log(fmt::format("reserved for run {} (job {}, owner {}): {}", run, x.job, x.owner,
                       fmt::join(used, ", ")));
+      if (jobs) {
+        std::vector<proto::RankPlace> places;
+        int gpus = 0, cpus = 0;
+        for (std::size_t g = 0; g < slots->size(); ++g) {
+          for (std::size_t k = 0; k < (*slots)[g].size(); ++k) {
+            const auto& sl = (*slots)[g][k];
+            places.push_back(
+                proto::RankPlace{b.groups[g].name, static_cast<int>(k), sl.node, sl.gpus});
+            gpus += static_cast<int>(sl.gpus.size());
+            ++cpus;
+          }
+        }
+        // Without keys the user is the one the driver names (its OS user, before "@host").
+        jobs->reserved(run, job_id, b.job,
+                       user.empty() ? b.owner.substr(0, b.owner.find('@')) : user, places, gpus,
+                       cpus, static_cast<int>(per_node.size()));
+      }
     }
     reply(std::move(r));
   }
@@ -287,6 +326,7 @@ struct Head::State {
   void on_release(const std::string& run_id) {
     auto r = runs.find(run_id);
     if (r == runs.end()) return;
+    if (jobs) jobs->released(run_id, false);
     for (const auto& b : r->second.bundles) {
       auto n = nodes.find(b.node);
       if (n != nodes.end() && n->second.alive)
@@ -354,7 +394,77 @@ struct Head::State {
     if (r != runs.end()) send(r->second.driver, m);
   }
 
-  void handle(const std::string& from, Message& m) {
+  // ----- the job service's view of the cluster -----------------------------------------------
+
+  std::optional<std::string> hold(std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
+    const auto demands = to_demands(g);
+    std::string why;
+    if (!schedule(capacity(false), demands, &why))
+      return fmt::format("it does not fit the live nodes: {}; {}", why, cluster_text());
+    auto slots = schedule(capacity(true), demands, &why);
+    if (!slots) {
+      std::vector<std::string> holders;
+      for (const auto& [rid, r] : runs) {
+        holders.push_back(r.hold_job ? fmt::format("job {} (starting)", r.hold_job)
+                                     : fmt::format("{} (run {}, owner {})", r.job, rid, r.owner));
+      }
+      return fmt::format("{}; held by {}", why, fmt::join(holders, ", "));
+    }
+    Run& x = runs[hold_id(job)];
+    x.id = hold_id(job);
+    x.job = fmt::format("job {}", job);
+    x.owner = "the job service";
+    x.hold_job = job;
+    x.since = unix_now();
+    x.last_lease = Clock::now();
+    std::map<std::string, Bundle> per_node;
+    for (const auto& grp : *slots) {
+      for (const auto& sl : grp) {
+        Bundle& bu = per_node[sl.node];
+        bu.node = sl.node;
+        bu.cpus += 1;
+        bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
+      }
+    }
+    for (auto& [id, bu] : per_node) x.bundles.push_back(bu);
+    return std::nullopt;
+  }
+
+  void start_jobs() {
+    if (!options.state_dir.empty()) {
+      std::string address = endpoint;
+      if (auto at = address.find("0.0.0.0"); at != std::string::npos)
+        address.replace(at, 7, "127.0.0.1");
+      jobs::ServiceOptions so;
+      so.state_dir = options.state_dir;
+      so.keep_jobs = options.keep_jobs;
+      so.log_cap = options.job_log_cap;
+      so.max_upload = options.max_upload;
+      so.head_address = address;
+      so.key_file = options.security.key_file;
+      if (options.security.socket.secure())
+        so.head_public = options.security.socket.keys->public_key;
+      so.exe = options.exe;
+      so.log = options.log;
+      jobs::ClusterView view;
+      view.hold = [this](std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
+        return hold(job, g);
+      };
+      view.unhold = [this](std::int64_t job) { runs.erase(hold_id(job)); };
+      view.release_run = [this](const std::string& run) { on_release(run); };
+      view.run_known = [this](const std::string& run) { return runs.count(run) > 0; };
+      jobs = std::make_unique<jobs::JobService>(std::move(so), std::move(view));
+    }
+  }
+
+  void handle(const std::string& from, const std::string& user, Message& m) {
+    if (jobs &&
+        (m.get<proto::UploadCheck>() || m.get<proto::UploadPart>() || m.get<proto::Submit>() ||
+         m.get<proto::JobsQuery>() || m.get<proto::LogsQuery>() || m.get<proto::JobStop>())) {
+      const jobs::Caller caller{user, options.security.admins.count(user) > 0, from};
+      send(from, jobs->handle(caller, m.id, m));
+      return;
+    }
     std::visit(
         [&](auto& b) {
           using T = std::decay_t<decltype(b)>;
@@ -373,7 +483,7 @@ struct Head::State {
           } else if constexpr (std::is_same_v<T, proto::NodesQuery>) {
             send(from, Message{m.id, nodes_info()});
           } else if constexpr (std::is_same_v<T, proto::Reserve>) {
-            on_reserve(from, m.id, b);
+            on_reserve(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Lease>) {
             auto r = runs.find(b.run);
             if (r != runs.end()) {
@@ -419,10 +529,15 @@ struct Head::State {
       declare_dead(n, fmt::format("no heartbeat for {:.1f} s", seconds_since(n.last_seen)));
     }
     for (auto r = runs.begin(); r != runs.end();) {
+      if (r->second.hold_job) {
+        r = Clock::now() - r->second.last_lease < kHoldLimit ? std::next(r) : runs.erase(r);
+        continue;
+      }
       if (Clock::now() - r->second.last_lease < kSilenceLimit) {
         ++r;
         continue;
       }
+      if (jobs) jobs->released(r->first, true);
       log(
           fmt::format("run {} (job {}): its driver has not renewed its lease for {:.1f} s; "
                       "stopping its workers and releasing its devices",
@@ -432,7 +547,7 @@ struct Head::State {
         if (n != nodes.end() && n->second.alive)
           send(n->second.identity, Message{0, proto::KillJob{r->first}});
       }
-      r = runs.erase(r);
+            r = runs.erase(r);
     }
   }
 };
@@ -441,8 +556,9 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
   s_->options = std::move(options);
   State& s = *s_;
   if (s.options.security.socket.secure()) {
-    s.gate = std::make_unique<transport::KeyGate>(s.context, s.options.security.allowed,
-                                                  [&s](const std::string& l) { s.log(l); });
+    s.gate = std::make_unique<transport::KeyGate>(
+        s.context, s.options.security.allowed, [&s](const std::string& l) { s.log(l); },
+        s.options.security.names);
   }
   s.router.set(zmq::sockopt::linger, 0);
   s.router.set(zmq::sockopt::router_mandatory, 1);
@@ -470,6 +586,7 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
                     e.num() == EADDRINUSE ? "; another head runs there, or choose --port" : ""));
   }
   s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
+  s.start_jobs();
 }
 
 Head::~Head() { s_->watch.reset(); }
@@ -478,15 +595,20 @@ const std::string& Head::endpoint() const { return s_->endpoint; }
 
 void Head::run(const std::atomic<bool>& stop) {
   State& s = *s_;
-  auto next_tick = Clock::now() + kTick;
+    auto next_tick = Clock::now() + kTick;
+  auto next_job_tick = Clock::now() + kJobTick;
   while (!stop) {
     zmq::pollitem_t item{s.router.handle(), 0, ZMQ_POLLIN, 0};
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(next_tick - Clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::min(next_tick, s.jobs ? next_job_tick : next_tick) - Clock::now());
     zmq::poll(&item, 1, std::max(left, std::chrono::milliseconds(0)));
     if (Clock::now() >= next_tick) {
       s.tick();
       next_tick = Clock::now() + kTick;
+    }
+    if (s.jobs && Clock::now() >= next_job_tick) {
+      s.jobs->tick();
+      next_job_tick = Clock::now() + kJobTick;
     }
     if (!(item.revents & ZMQ_POLLIN)) continue;
     for (int i = 0; i < 1000; ++i) {
@@ -495,6 +617,7 @@ void Head::run(const std::atomic<bool>& stop) {
         break;
       if (frames.size() < 2) continue;
       const std::string from = frames.front().to_string();
+      const std::string user = transport::user_id(frames.back());
       frames.erase(frames.begin());
       std::optional<Message> m;
       try {
@@ -503,7 +626,7 @@ void Head::run(const std::atomic<bool>& stop) {
         s.drops.drop(fmt::format("from {}: {}", from.substr(0, 64), e.what()));
         continue;
       }
-      s.handle(from, *m);
+      s.handle(from, user, *m);
     }
   }
 }

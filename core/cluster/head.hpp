@@ -1,15 +1,20 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "core/cluster/security.hpp"
 
 // The head of a cluster (docs/ARCHITECTURE.md, Remote mode): the node table and the reservations.
 // Agents register and heartbeat; drivers reserve, renew their lease, and talk to the agents of
-// their run through the head; `twinkle nodes` asks it for the tables. It keeps no state on disk: a
-// restarted head rebuilds its tables from the agents, which re-register with the jobs they run.
+// their run through the head; `twinkle nodes` asks it for the tables. Its node table and
+// reservations live in memory only: a restarted head rebuilds them from the agents, which
+// re-register with the jobs they run. Its job service (submitted jobs, the queue, history) keeps
+// everything in `state_dir` (docs/ARCHITECTURE.md, Job service).
 namespace twinkle::core::cluster {
 
 struct HeadOptions {
@@ -17,6 +22,12 @@ struct HeadOptions {
   int port = 7100;  // 0: an ephemeral port (tests)
   HeadSecurity security;
   std::function<void(const std::string&)> log;  // one line per event
+  // The job service: "" for none (tests of the node table alone).
+  std::filesystem::path state_dir;
+  int keep_jobs = 10000;
+  std::uint64_t job_log_cap = 64ull << 20;
+  std::uint64_t max_upload = 5ull << 28;  // bytes of one archive (a client's 1 GiB and headers)
+  std::filesystem::path exe;              // the twinkle binary submitted jobs' drivers run
 };
 
 class Head {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "core/cluster/agent.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/job/values.hpp"
+#include "core/jobs/demand.hpp"
 #include "core/runtime/log_dir.hpp"
 #include "twinkle/errors.hpp"
 
@@ -35,6 +37,8 @@ constexpr auto kLaunchTimeout = std::chrono::seconds(60);
 constexpr auto kStopSlack = std::chrono::seconds(5);
 
 std::string owner_name() {
+  // A submitted job's driver runs as the head's user for the one who submitted it.
+  if (const char* user = std::getenv("TWINKLE_JOB_USER"); user && *user) return user;
   const passwd* pw = getpwuid(getuid());
   char host[256] = {};
   gethostname(host, sizeof host - 1);
@@ -124,12 +128,17 @@ class ClusterSite : public RemoteSite {
 
  private:
   proto::Reserve demand(const Job& job, const std::string& run_id, bool dry_run) const {
-    proto::Reserve r{run_id, job.name, owner_name(), dry_run, {}};
-    for (const auto& g : job.groups) {
-      r.groups.push_back(proto::GroupDemandEntry{
-          g.name, g.workers(), g.device == DeviceType::cuda ? g.gpus_per_worker : 0,
-          std::string(to_string(g.placement.value_or(job.placement))), g.labels});
+    proto::Reserve r{run_id, job.name, owner_name(), dry_run, {}, {}};
+    // A submitted job is known by the name it was submitted under.
+    if (const char* name = std::getenv("TWINKLE_JOB_NAME"); name && *name) r.job = name;
+    // The driver of a submitted job (docs/ARCHITECTURE.md, Job service): its reservation is the
+    // job's.
+    if (const char* id = std::getenv("TWINKLE_JOB_ID"); id && *id && !dry_run) {
+      char* end = nullptr;
+      const long long v = std::strtoll(id, &end, 10);
+      if (end && *end == '\0' && v > 0) r.job_id = v;
     }
+    r.groups = jobs::group_demands(job);
     return r;
   }
 

@@ -63,7 +63,10 @@ HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host) {
     return out;
   }
   out.socket.keys = transport::read_keypair(key);
+  out.key_file = std::filesystem::absolute(key).string();
   out.allowed.insert(out.socket.keys->public_key);
+  out.names[out.socket.keys->public_key] = "head";
+  out.admins.insert("head");
   const std::string allow = pick(o.authorized_keys, "TWINKLE_AUTHORIZED_KEYS", "authorized_keys");
   if (allow.empty()) {
     throw ConfigError(fmt::format(
@@ -71,7 +74,15 @@ HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host) {
         "join (their twinkle.pub) in {} or pass --authorized-keys FILE",
         key, (twinkle_home() / "authorized_keys").string()));
   }
-  for (auto& k : transport::read_allowed_keys(allow)) out.allowed.insert(std::move(k));
+  for (auto& m : transport::read_members(allow)) {
+    if (m.name == "head" && m.key != out.socket.keys->public_key) {
+      throw ConfigError(fmt::format(
+          "{}: the member name \"head\" is the head's own; give that key another name", allow));
+    }
+    out.allowed.insert(m.key);
+    if (m.admin) out.admins.insert(m.name);
+    if (m.key != out.socket.keys->public_key) out.names[m.key] = std::move(m.name);
+  }
   return out;
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -26,9 +27,14 @@ std::filesystem::path twinkle_home();
 // it runs). Without a key pair (none given, no ~/.twinkle/twinkle.key) the head is plaintext and
 // may bind loopback only: `bind_host` elsewhere is refused unless `insecure` (then a warning is
 // printed). Throws ConfigError naming the file or flag and the fix.
+// Each allowed key has a member name (the allow-list's second word; the head's own key is
+// "head"), and names marked `admin` may stop anyone's job (docs/ARCHITECTURE.md, Job service).
 struct HeadSecurity {
   transport::SocketSecurity socket;
   std::set<std::string> allowed;
+  std::map<std::string, std::string> names;  // public key -> member name
+  std::set<std::string> admins;              // member names
+  std::string key_file;                      // the head's key pair file ("" without keys)
 };
 HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host);
 

@@ -107,16 +107,14 @@ make_hosts() {
 # Every member its own key pair; the head admits the members' public keys.
 make_keys() {
   local who
-  for who in head h1 h2 h3; do
-    run 0 "$TWK" keygen --out "$TMP/keys/$who"
+  run 0 "$TWK" keygen --out "$TMP/keys/head" --name cluster-head
+  : >"$TMP/keys/authorized_keys"
+  for who in "${HOSTS[@]}"; do
+    run 0 "$TWK" keygen --out "$TMP/keys/$who" --name "member-$who"
+    cat "$TMP/keys/$who/twinkle.pub" >>"$TMP/keys/authorized_keys"
+    # KEYS_hN: the flags of member hN (its key pair, the head's public key as its pin).
+    declare -ga "KEYS_$who=(--key $TMP/keys/$who/twinkle.key --head-key $TMP/keys/head/twinkle.pub)"
   done
-  cat "$TMP/keys/h1/twinkle.pub" "$TMP/keys/h2/twinkle.pub" "$TMP/keys/h3/twinkle.pub" \
-    >"$TMP/keys/authorized_keys"
-  # KEYS_hN: the flags of member hN (its key pair, the head's public key as its pin).
-  local pin=(--head-key "$TMP/keys/head/twinkle.pub")
-  KEYS_h1=(--key "$TMP/keys/h1/twinkle.key" "${pin[@]}")
-  KEYS_h2=(--key "$TMP/keys/h2/twinkle.key" "${pin[@]}")
-  KEYS_h3=(--key "$TMP/keys/h3/twinkle.key" "${pin[@]}")
 }
 
 # The head in host 1 (no agent there), agents h2 and h3 in hosts 2 and 3 with 4 CPUs each.
@@ -284,6 +282,39 @@ TOML
     running "${AGENT[h2]}" || { cat "$TMP/agent-h2.log"; fail "the agent on h2 died"; }
     grep -q "node h3 .*is DEAD" "$TMP/head.log" ||
       { cat "$TMP/head.log"; fail "the head did not log h3 as DEAD"; }
+    ;;
+
+    netns_submit)
+    # The job service (issue 21, test 8): a job submitted from a "laptop" (host 4, no agent)
+    # finishes on the cluster after the laptop's link is cut, with the final loss of a local run.
+    HOSTS=(h1 h2 h3 h4)
+    start_cluster
+    mkdir -p "$TMP/job"
+    sed -e "s|^plugin *=.*|plugin = \"$EXAMPLES/digits/libdigits.so\"|" -e 's/^epochs *=.*/epochs = 12/' \
+      "$SRC/examples/digits/job.toml" >"$TMP/job/job.toml"
+    cp "$SRC/examples/digits/digits.csv.gz" "$TMP/job/"
+    run 0 "$TWK" run --quiet "$TMP/job/job.toml"  # the reference, in local mode
+    want=$(sed -n 's/^final loss: //p' "$TMP/out")
+    spawn "$TMP/laptop.out" - h4 "$TWK" submit --wait "$TMP/job/job.toml" --address "$ADDR" "${KEYS_h4[@]}"
+    wait_for "$TMP/laptop.out" "epoch 2 " 60
+    ip -n "$NS-sw" link set port-h4 down || fail "cannot take port-h4 down"
+    cut=$(now)
+    deadline=$((SECONDS + 90))
+    while :; do
+      run 0 on h1 "$TWK" jobs --all --json --address "$ADDR" "${KEYS_h1[@]}"
+      state=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["state"])' "$TMP/out")
+      [ "$state" = SUCCEEDED ] && break
+      [ "$state" = RUNNING ] || { cat "$TMP/out"; fail "the job is $state after the laptop's link went down"; }
+      [ $SECONDS -lt $deadline ] || fail "the job did not end within 90 s of the cut"
+      sleep 0.2
+    done
+    echo "laptop cut to job SUCCEEDED: $(since "$cut") s"
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))[0]; assert j["user"]=="member-h4" and j["from"]=="twk-h4", j' "$TMP/out" ||
+      { cat "$TMP/out"; fail "the job is not the laptop's"; }
+    run 0 on h1 "$TWK" logs 1 --address "$ADDR" "${KEYS_h1[@]}"
+    got=$(sed -n 's/^final loss: //p' "$TMP/out")
+    python3 -c "import sys; a,b=float('$got'),float('$want'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
+      fail "digits submitted: final loss $got, local $want"
     ;;
 
   *) fail "unknown case $CASE" ;;

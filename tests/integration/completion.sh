@@ -48,18 +48,23 @@ case $3 in
   words)
     [ "$(complete -p twinkle)" = "complete -F _twinkle twinkle" ] ||
       fail "sourcing the completion does not register it for twinkle: $(complete -p twinkle 2>&1)"
-    expect_words "run topology nodes node inspect keygen" twinkle ""
+    expect_words "run topology nodes node inspect submit jobs job logs stop keygen" twinkle ""
     expect_words "topology" twinkle to
     expect_words "--help --version" twinkle --
     expect_words "--set --gpus --log-dir --quiet --ascii --resume --address --key --head-key --insecure --launcher --help" twinkle run --
     expect_words "--launcher --log-dir" twinkle run --l
     expect_words "start stop" twinkle node ""
     expect_words "--pid-file --timeout --help" twinkle node stop --
+    expect_words "show" twinkle job ""
+    expect_words "--json --address --key --head-key --insecure --help" twinkle job show --
+    expect_words "QUEUED" twinkle jobs --state Q
     complete_words twinkle node start -- | grep -qx -- --authorized-keys || fail "node start does not offer --authorized-keys"
     # Job files and folders after run and topology, plugins after inspect, in the current folder.
     mkdir -p "$TMP/cwd/jobs" && cd "$TMP/cwd" || exit 1
     touch job.toml libmodel.so notes.txt jobs/other.toml
     expect_words "job.toml jobs" twinkle run ""
+    expect_words "job.toml jobs" twinkle submit --wait ""
+    expect_words "jobs" twinkle submit --working-dir ""
     expect_words "jobs/other.toml" twinkle topology --ascii jobs/
     expect_words "jobs libmodel.so" twinkle inspect ""
     expect_words "jobs" twinkle run --log-dir ""

@@ -69,8 +69,17 @@ bool is_loopback_host(const std::string& host_in) {
 
 // ----- KeyGate ----------------------------------------------------------------------------
 
-KeyGate::KeyGate(zmq::context_t& context, std::set<std::string> allowed, Log log)
-    : allowed_(std::move(allowed)), log_(std::move(log)), socket_(context, zmq::socket_type::rep) {
+std::string user_id(const zmq::message_t& frame) {
+  const char* v = zmq_msg_gets(const_cast<zmq_msg_t*>(frame.handle()), "User-Id");
+  return v ? v : "";
+}
+
+KeyGate::KeyGate(zmq::context_t& context, std::set<std::string> allowed, Log log,
+                 std::map<std::string, std::string> names)
+    : allowed_(std::move(allowed)),
+      names_(std::move(names)),
+      log_(std::move(log)),
+      socket_(context, zmq::socket_type::rep) {
   socket_.set(zmq::sockopt::linger, 0);
   socket_.bind("inproc://zeromq.zap.01");
   thread_ = std::thread([this] { serve(); });
@@ -98,11 +107,12 @@ void KeyGate::serve() {
     const std::string address = req[3].to_string();
     const std::string mechanism = req[5].to_string();
     bool ok = false;
-    std::string why;
+    std::string why, user = "member";
     if (mechanism == "CURVE" && req.size() >= 7) {
       const std::string key = z85(req[6]);
       std::lock_guard lock(mu_);
       ok = allowed_.count(key) > 0;
+      if (auto n = names_.find(key); n != names_.end()) user = n->second;
       if (!ok) why = fmt::format("its public key {} is not in the allow-list", key);
     } else {
       why = fmt::format("it offered no key (mechanism {})", mechanism);
@@ -113,7 +123,7 @@ void KeyGate::serve() {
     rep.emplace_back(req[1].data(), req[1].size());
     rep.emplace_back(std::string(ok ? "200" : "400"));
     rep.emplace_back(std::string(ok ? "OK" : "key not allowed"));
-    rep.emplace_back(std::string(ok ? "member" : ""));
+    rep.emplace_back(ok ? user : std::string());
     rep.emplace_back();
     zmq::send_multipart(socket_, rep);
   }
@@ -128,7 +138,8 @@ ConnectionWatch::ConnectionWatch(zmq::context_t& context, zmq::socket_t& socket,
                          ZMQ_EVENT_CONNECTED | ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED |
                              ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
                              ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                             ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
+                             ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_MONITOR_STOPPED) !=
+      0) {
     throw TransportError(
         fmt::format("cannot watch a socket's connections: {}", zmq_strerror(zmq_errno())));
   }
@@ -180,8 +191,9 @@ ConnectionWatch::ConnectionWatch(zmq::context_t& context, zmq::socket_t& socket,
 }
 
 ConnectionWatch::~ConnectionWatch() {
-  zmq_socket_monitor(socket_, nullptr, 0);
+  // Stopping the monitor sends MONITOR_STOPPED, which wakes the thread at once to see stop_.
   stop_ = true;
+  zmq_socket_monitor(socket_, nullptr, 0);
   thread_.join();
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -47,13 +48,18 @@ void set_heartbeats(zmq::socket_t& socket, std::chrono::milliseconds interval,
 // True for tcp://127.x.x.x, tcp://localhost and tcp://[::1] endpoints and bind addresses.
 bool is_loopback_host(const std::string& host);
 
+// The "User-Id" a KeyGate gave the connection `frame` came on; "" when none (plaintext).
+std::string user_id(const zmq::message_t& frame);
+
 // The ZeroMQ authentication handler (ZAP) of one context: CURVE server sockets of `context` admit
 // a client only when its public key is allowed. Every refusal is logged through `log` with the
-// peer's address. Create it before any server socket of the context binds.
+// peer's address. Create it before any server socket of the context binds. A connection admitted
+// with a key in `names` carries that name as its messages' "User-Id" property; others "member".
 class KeyGate {
  public:
   using Log = std::function<void(const std::string&)>;
-  KeyGate(zmq::context_t& context, std::set<std::string> allowed, Log log);
+  KeyGate(zmq::context_t& context, std::set<std::string> allowed, Log log,
+          std::map<std::string, std::string> names = {});
   KeyGate(const KeyGate&) = delete;
   KeyGate& operator=(const KeyGate&) = delete;
   ~KeyGate();
@@ -65,6 +71,7 @@ class KeyGate {
 
   std::mutex mu_;
   std::set<std::string> allowed_;
+  std::map<std::string, std::string> names_;
   Log log_;
   zmq::socket_t socket_;
   std::atomic<bool> stop_{false};

@@ -115,25 +115,41 @@ KeyPair read_keypair(const std::filesystem::path& file) {
 }
 
 std::vector<std::string> read_allowed_keys(const std::filesystem::path& file) {
+  std::vector<std::string> keys;
+  for (auto& m : read_members(file)) keys.push_back(std::move(m.key));
+  return keys;
+}
+
+std::vector<Member> read_members(const std::filesystem::path& file) {
   std::ifstream in(file);
   if (!in) {
     throw ConfigError(
         fmt::format("{}: cannot read this allow-list: {}", file.string(), std::strerror(errno)));
   }
-  std::vector<std::string> keys;
+  std::vector<Member> members;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     line = trim(line);
     if (line.empty() || line[0] == '#') continue;
-    const std::string key = line.substr(0, line.find_first_of(" \t"));
-    if (!is_z85_key(key)) {
+    std::istringstream words(line);
+    Member m;
+    std::string extra;
+    words >> m.key >> m.name >> extra;
+    if (!is_z85_key(m.key)) {
       throw ConfigError(fmt::format(
           "{}:{}: \"{}\" is not a public key (40 Z85 characters, as in a twinkle.pub file)",
-          file.string(), n, key.substr(0, 48)));
+          file.string(), n, m.key.substr(0, 48)));
     }
-    keys.push_back(key);
+    if (!extra.empty() && extra != "admin") {
+      throw ConfigError(
+          fmt::format("{}:{}: \"{}\" after the name; a line is `<public key> NAME [admin]`",
+                      file.string(), n, extra.substr(0, 48)));
+    }
+    m.admin = extra == "admin";
+    if (m.name.empty()) m.name = "key-" + m.key.substr(0, 8);
+    members.push_back(std::move(m));
   }
-  return keys;
+  return members;
 }
 
 }  // namespace twinkle::transport

@@ -32,6 +32,17 @@ KeyPair read_keypair(const std::filesystem::path& file);
 // malformed key.
 std::vector<std::string> read_allowed_keys(const std::filesystem::path& file);
 
+// A member of a head's allow-list (docs/ARCHITECTURE.md, Job service): the line
+// `<public key> NAME [admin]`. A line with the key alone names its member "key-" and the key's
+// first 8 characters.
+struct Member {
+  std::string key, name;
+  bool admin = false;
+};
+// The same file read as members. Throws ConfigError naming the file and line of a malformed key
+// or a third word other than "admin".
+std::vector<Member> read_members(const std::filesystem::path& file);
+
 // True when `key` is 40 characters of the Z85 alphabet.
 bool is_z85_key(const std::string& key);
 

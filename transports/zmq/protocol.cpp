@@ -50,6 +50,16 @@ const char* to_string(MsgType t) {
     case MsgType::node_dead: return "node_dead";
     case MsgType::kill_job: return "kill_job";
     case MsgType::node_leave: return "node_leave";
+    case MsgType::upload_check: return "upload_check";
+    case MsgType::upload_part: return "upload_part";
+    case MsgType::upload_state: return "upload_state";
+    case MsgType::submit: return "submit";
+    case MsgType::job_answer: return "job_answer";
+    case MsgType::jobs_query: return "jobs_query";
+    case MsgType::jobs_info: return "jobs_info";
+    case MsgType::logs_query: return "logs_query";
+    case MsgType::logs_chunk: return "logs_chunk";
+    case MsgType::job_stop: return "job_stop";
   }
   return "unknown";
 }
@@ -502,6 +512,7 @@ bool has_type(MsgType t, std::index_sequence<I...>) {
 namespace proto {
 
 Value to_value(const NodesInfo& info) { return as_value(info); }
+Value to_value(const JobEntry& job) { return as_value(job); }
 
 Value to_value(const Control& body) {
   return std::visit([](const auto& m) { return as_value(m); }, body);

@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 6;
+inline constexpr std::uint16_t kProtocolVersion = 7;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -67,6 +67,17 @@ enum class MsgType : std::uint16_t {
   node_dead = 38,
   kill_job = 39,
   node_leave = 40,
+  // The job service (docs/ARCHITECTURE.md, Job service): clients and the head.
+  upload_check = 41,
+  upload_part = 42,
+  upload_state = 43,
+  submit = 44,
+  job_answer = 45,
+  jobs_query = 46,
+  jobs_info = 47,
+  logs_query = 48,
+  logs_chunk = 49,
+  job_stop = 50,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -482,10 +493,11 @@ struct Reserve {
   std::string run, job, owner;
   bool dry_run = false;  // only plan (twinkle topology)
   std::vector<GroupDemandEntry> groups;
+  std::optional<std::int64_t> job_id;  // a submitted job's driver (TWINKLE_JOB_ID)
   static constexpr auto fields() {
-    return std::tuple{field("run", &Reserve::run), field("job", &Reserve::job),
-                      field("owner", &Reserve::owner), field("dry_run", &Reserve::dry_run),
-                      field("groups", &Reserve::groups)};
+    return std::tuple{field("run", &Reserve::run),       field("job", &Reserve::job),
+                      field("owner", &Reserve::owner),   field("dry_run", &Reserve::dry_run),
+                      field("groups", &Reserve::groups), field("job_id", &Reserve::job_id)};
   }
 };
 
@@ -685,14 +697,238 @@ struct NodeLeave {
   }
 };
 
-using Cluster =
-    std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery, NodesInfo, Reserve,
-                 Reservation, Release, Lease, Launch, Launched, NeedPlugin, PluginBytes, StopJob,
-                 Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave>;
+// ----- the job service ----------------------------------------------------------------------
+// A client asks, the head answers with the request's id. Who asks is the name of the key the
+// connection authenticated with (the allow-list's); `user` fields count only on a cluster
+// without keys, which is one machine's.
+
+// client -> head: does the head hold the working directory archive with this sha256?
+struct UploadCheck {
+  static constexpr MsgType kType = MsgType::upload_check;
+  std::string sha256;
+  std::int64_t size = 0;  // bytes
+  static constexpr auto fields() {
+    return std::tuple{field("sha256", &UploadCheck::sha256), field("size", &UploadCheck::size)};
+  }
+};
+
+// client -> head: the next piece of that archive, in order from offset 0.
+struct UploadPart {
+  static constexpr MsgType kType = MsgType::upload_part;
+  std::string sha256;
+  std::int64_t offset = 0;
+  Bytes bytes;
+  bool last = false;
+  static constexpr auto fields() {
+    return std::tuple{field("sha256", &UploadPart::sha256), field("offset", &UploadPart::offset),
+                      field("bytes", &UploadPart::bytes), field("last", &UploadPart::last)};
+  }
+};
+
+// head -> client: what it holds of the archive.
+struct UploadState {
+  static constexpr MsgType kType = MsgType::upload_state;
+  bool have = false;          // all of it, checked
+  std::int64_t received = 0;  // bytes so far
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("have", &UploadState::have), field("received", &UploadState::received),
+                      field("error", &UploadState::error)};
+  }
+};
+
+// A job that must end first: "ok" (succeeded), "notok" (failed or stopped) or "any".
+struct AfterEntry {
+  std::int64_t job = 0;
+  std::string condition;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &AfterEntry::job), field("condition", &AfterEntry::condition)};
+  }
+};
+
+// client -> head: queue a job whose working directory the head holds.
+struct Submit {
+  static constexpr MsgType kType = MsgType::submit;
+  std::string name;
+  std::string job_file;                // inside the working directory, relative
+  std::string sha256;                  // the working directory's archive
+  std::vector<std::string> overrides;  // "SECTION.KEY=VALUE"
+  int max_retries = 0;
+  std::optional<AfterEntry> after;
+  std::string user;  // clusters without keys only
+  std::string from;  // the client's host
+  static constexpr auto fields() {
+    return std::tuple{field("name", &Submit::name),
+                      field("job_file", &Submit::job_file),
+                      field("sha256", &Submit::sha256),
+                      field("overrides", &Submit::overrides),
+                      field("max_retries", &Submit::max_retries),
+                      field("after", &Submit::after),
+                      field("user", &Submit::user),
+                      field("from", &Submit::from)};
+  }
+};
+
+// head -> client: the answer to submit and job_stop.
+struct JobAnswer {
+  static constexpr MsgType kType = MsgType::job_answer;
+  std::int64_t job = 0;
+  std::string text;
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &JobAnswer::job), field("text", &JobAnswer::text),
+                      field("error", &JobAnswer::error)};
+  }
+};
+
+// client -> head.
+struct JobsQuery {
+  static constexpr MsgType kType = MsgType::jobs_query;
+  std::optional<std::int64_t> job;  // one job, in full
+  bool all = false;                 // history too, not only active and recent jobs
+  std::string user, state;          // filters ("" none)
+  static constexpr auto fields() {
+    return std::tuple{field("job", &JobsQuery::job), field("all", &JobsQuery::all),
+                      field("user", &JobsQuery::user), field("state", &JobsQuery::state)};
+  }
+};
+
+// Where one rank of a job ran.
+struct RankPlace {
+  std::string group;
+  int rank = 0;
+  std::string node;
+  std::vector<int> gpus;
+  static constexpr auto fields() {
+    return std::tuple{field("group", &RankPlace::group), field("rank", &RankPlace::rank),
+                      field("node", &RankPlace::node), field("gpus", &RankPlace::gpus)};
+  }
+};
+
+// One submit, stop or retry of a job, as the head recorded it.
+struct AuditEntry {
+  std::int64_t time = 0;  // unix seconds
+  std::string user, action, from, detail;
+  static constexpr auto fields() {
+    return std::tuple{field("time", &AuditEntry::time), field("user", &AuditEntry::user),
+                      field("action", &AuditEntry::action), field("from", &AuditEntry::from),
+                      field("detail", &AuditEntry::detail)};
+  }
+};
+
+struct JobEntry {
+  std::int64_t id = 0;
+  std::string name, user;
+  std::string kind;    // "submitted" | "interactive"
+  std::string state;   // QUEUED RUNNING SUCCEEDED FAILED STOPPED DROPPED (interactive: ENDED)
+  std::string reason;  // why it waits, or how it ended
+  std::int64_t submitted = 0, started = 0, ended = 0;  // unix seconds, 0 not yet
+  int retries = 0, max_retries = 0;
+  std::optional<int> exit_code;
+  int gpus = 0, cpus = 0, nodes = 0;
+  double gpu_seconds = 0;
+  std::string run;  // the run id of its driver's latest attempt
+  std::string from, stopped_by, job_file;
+  std::vector<std::string> overrides;
+  std::optional<AfterEntry> after;
+  // jobs_query with `job` only:
+  std::vector<RankPlace> placement;
+  std::vector<std::string> summary;  // the last lines of its log
+  std::vector<AuditEntry> audit;
+  static constexpr auto fields() {
+    return std::tuple{field("id", &JobEntry::id),
+                      field("name", &JobEntry::name),
+                      field("user", &JobEntry::user),
+                      field("kind", &JobEntry::kind),
+                      field("state", &JobEntry::state),
+                      field("reason", &JobEntry::reason),
+                      field("submitted", &JobEntry::submitted),
+                      field("started", &JobEntry::started),
+                      field("ended", &JobEntry::ended),
+                      field("retries", &JobEntry::retries),
+                      field("max_retries", &JobEntry::max_retries),
+                      field("exit_code", &JobEntry::exit_code),
+                      field("gpus", &JobEntry::gpus),
+                      field("cpus", &JobEntry::cpus),
+                      field("nodes", &JobEntry::nodes),
+                      field("gpu_seconds", &JobEntry::gpu_seconds),
+                      field("run", &JobEntry::run),
+                      field("from", &JobEntry::from),
+                      field("stopped_by", &JobEntry::stopped_by),
+                      field("job_file", &JobEntry::job_file),
+                      field("overrides", &JobEntry::overrides),
+                      field("after", &JobEntry::after),
+                      field("placement", &JobEntry::placement),
+                      field("summary", &JobEntry::summary),
+                      field("audit", &JobEntry::audit)};
+  }
+};
+
+// head -> client.
+struct JobsInfo {
+  static constexpr MsgType kType = MsgType::jobs_info;
+  std::vector<JobEntry> jobs;
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("jobs", &JobsInfo::jobs), field("error", &JobsInfo::error)};
+  }
+};
+
+// client -> head: a job's log from `offset` (bytes into the whole log), filtered.
+struct LogsQuery {
+  static constexpr MsgType kType = MsgType::logs_query;
+  std::int64_t job = 0;
+  std::int64_t offset = 0;
+  std::string rank;     // "GROUP:N": only that rank's lines
+  bool driver = false;  // only the driver's own lines
+  std::string grep;     // ECMAScript regular expression
+  int tail = 0;         // only the last N matching lines (offset 0 only)
+  static constexpr auto fields() {
+    return std::tuple{field("job", &LogsQuery::job),   field("offset", &LogsQuery::offset),
+                      field("rank", &LogsQuery::rank), field("driver", &LogsQuery::driver),
+                      field("grep", &LogsQuery::grep), field("tail", &LogsQuery::tail)};
+  }
+};
+
+// head -> client: the matching lines of the next piece, and where the next query starts.
+struct LogsChunk {
+  static constexpr MsgType kType = MsgType::logs_chunk;
+  std::string text;
+  std::int64_t offset = 0;
+  bool more = false;   // more is there now: ask again at once
+  bool ended = false;  // the job has ended: nothing more will come
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("text", &LogsChunk::text), field("offset", &LogsChunk::offset),
+                      field("more", &LogsChunk::more), field("ended", &LogsChunk::ended),
+                      field("error", &LogsChunk::error)};
+  }
+};
+
+// client -> head: stop a job (queued: dropped from the queue; running: the graceful path, or at
+// once with `now`).
+struct JobStop {
+  static constexpr MsgType kType = MsgType::job_stop;
+  std::int64_t job = 0;
+  bool now = false;
+  std::string user;  // clusters without keys only
+  std::string from;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &JobStop::job), field("now", &JobStop::now),
+                      field("user", &JobStop::user), field("from", &JobStop::from)};
+  }
+};
+
+using Cluster = std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery,
+                             NodesInfo, Reserve, Reservation, Release, Lease, Launch, Launched,
+                             NeedPlugin, PluginBytes, StopJob, Stopped, WorkerExit, Output,
+                             NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart, UploadState,
+                             Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.
 Value to_value(const NodesInfo& info);
+Value to_value(const JobEntry& job);
 Value to_value(const Control& body);
 
 // Every message type with its fields, one line each: "call: instance u64, method str, ...".

@@ -1,0 +1,88 @@
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/jobs/store.hpp"
+#include "transports/zmq/message.hpp"
+#include "transports/zmq/protocol.hpp"
+
+// The head's job service (docs/ARCHITECTURE.md, Job service): the queue of submitted jobs, their
+// working directories, supervised drivers, logs and history, and the record of interactive runs.
+// It runs on the head's thread; the head hands it the job messages and tells it about
+// reservations.
+namespace twinkle::core::jobs {
+
+namespace proto = transport::proto;
+using Message = transport::ClusterMessage;
+
+// What the service needs of the head.
+struct ClusterView {
+  // Holds devices for job `id` until its driver reserves them; returns nullopt when held, else
+  // why it does not fit now.
+  std::function<std::optional<std::string>(std::int64_t id,
+                                           const std::vector<proto::GroupDemandEntry>& demand)>
+      hold;
+  std::function<void(std::int64_t id)> unhold;
+  // Stops the workers of `run` at once and frees its devices.
+  std::function<void(const std::string& run)> release_run;
+  // True while the head has a reservation for `run`.
+  std::function<bool(const std::string& run)> run_known;
+};
+
+struct ServiceOptions {
+  std::filesystem::path state_dir;  // jobs.db, uploads/, jobs/ID/
+  int keep_jobs = 10000;
+  std::uint64_t log_cap = 64ull << 20;  // per job
+  // Bytes of one working directory's archive: a client's 1 GiB of files and tar's headers.
+  std::uint64_t max_upload = 5ull << 28;
+  std::string head_address;           // what drivers connect to
+  std::string key_file, head_public;  // the drivers' keys ("" without)
+  std::filesystem::path exe;          // the twinkle binary
+  std::function<void(const std::string&)> log;
+};
+
+// Who sent a message: the name of the key its connection authenticated with ("" on a cluster
+// without keys, where the message's own `user` counts).
+struct Caller {
+  std::string user;
+  bool admin = false;
+  std::string identity;  // its connection's (for uploads in progress)
+};
+
+class JobService {
+ public:
+  // Opens (creating) the state folder and its history, and takes up the jobs a previous head left
+  // running. Throws Error naming the folder when it cannot.
+  JobService(ServiceOptions options, ClusterView cluster);
+  JobService(const JobService&) = delete;
+  JobService& operator=(const JobService&) = delete;
+  ~JobService();
+
+  // A job service message (upload_check, upload_part, submit, jobs_query, logs_query, job_stop):
+  // the answer to send back.
+  Message handle(const Caller& caller, std::uint64_t request, Message& m);
+
+  // Starts what the queue can start and notices drivers that ended. Call every few hundred ms.
+  void tick();
+
+  // The head made a reservation for `run`: a submitted job's driver when `job_id`, else an
+  // interactive `twinkle run --address` (recorded as a job of its own).
+  void reserved(const std::string& run, std::optional<std::int64_t> job_id, const std::string& name,
+                const std::string& user, const std::vector<proto::RankPlace>& placement, int gpus,
+                int cpus, int nodes);
+  // `run` ended: released by its driver (`lapsed` false) or its lease ran out.
+  void released(const std::string& run, bool lapsed);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace twinkle::core::jobs

@@ -1,0 +1,58 @@
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+// The process that runs a submitted job's driver (docs/ARCHITECTURE.md, Job service). The head
+// starts it detached (its own session, not the head's child), so that it and the driver live on
+// when the head is killed; it talks to the head through files in the job's folder only:
+//   attempt   "N PID": attempt N (0 first) runs as PID
+//   exit      "CODE RETRIES": the job's end (CODE: the driver's exit status, 128+signal when
+//             killed), written last
+//   log, log.1, log.base: the driver's output (which carries its workers' lines), rotated
+// SIGTERM asks the driver to stop (it gets SIGTERM, and SIGKILL stop_grace_s + 30 s later);
+// SIGUSR2 kills it at once. Neither is retried.
+namespace twinkle::core::jobs {
+
+struct SuperviseOptions {
+  std::filesystem::path job_dir;   // holds the files above
+  std::filesystem::path work_dir;  // the driver's working directory
+  std::vector<std::string> argv;   // the driver's command
+  int max_retries = 0;
+  bool resume_on_retry = false;         // a retry adds --set job.resume=auto
+  std::uint64_t log_cap = 64ull << 20;  // bytes kept of the log (two halves)
+  double stop_grace_s = 60;
+};
+
+// Runs the driver until it succeeds, is stopped, or has failed max_retries + 1 times; returns
+// its last exit status.
+int supervise(const SuperviseOptions& o);
+
+// The job's log as one byte stream across rotation.
+struct LogPiece {
+  std::string bytes;
+  std::int64_t offset = 0;  // where `bytes` starts (later than asked when that part was rotated)
+  std::int64_t end = 0;     // the log's end now
+};
+LogPiece read_log(const std::filesystem::path& job_dir, std::int64_t offset, std::size_t max);
+
+// A supervisor's state read from its files.
+struct AttemptFile {
+  int attempt = 0;
+  int pid = 0;
+};
+std::optional<AttemptFile> read_attempt(const std::filesystem::path& job_dir);
+struct ExitFile {
+  int code = 0;
+  int retries = 0;
+};
+std::optional<ExitFile> read_exit(const std::filesystem::path& job_dir);
+
+// The start time of process `pid` (field 22 of /proc/PID/stat), 0 when it does not run: a pid
+// and its start time name one process, whatever pids are reused since.
+std::int64_t process_start(int pid);
+
+}  // namespace twinkle::core::jobs

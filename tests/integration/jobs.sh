@@ -1,0 +1,375 @@
+#!/usr/bin/env bash
+# The job service (issue 21): `twinkle submit`, `jobs`, `job show`, `logs`, `stop` against a head
+# and node agents on loopback, with the digits example and the runtime fixture plugin; the head's
+# history survives it being killed; users and their rights; dependencies; driver retries.
+# Usage: jobs.sh TWINKLE_BINARY SOURCE_ROOT FIXTURE_PLUGIN EXAMPLES_BUILD_DIR CASE
+TWK=$1
+SRC=$2
+PLUGIN=$3
+EXAMPLES=$4
+CASE=$5
+source "$SRC/tests/integration/lib.sh"
+
+export HOME="$TMP/home"  # keys, caches, pid files and the head's state of this test only
+mkdir -p "$HOME"
+unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINKLE_HOME
+unset TWINKLE_JOB_ID TWINKLE_JOB_USER
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  # Supervisors, drivers and workers of this test run from its folders: none may outlive it.
+  pkill -KILL -f -- "$TMP/" 2>/dev/null
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+STATE="$TMP/state"
+
+# start_head [FLAGS...]: a head with no agent of its own, its state in $STATE; sets ADDR.
+start_head() {
+  "$TWK" node start --head --no-agent --bind 127.0.0.1 --port "${HEAD_PORT:-0}" \
+    --state-dir "$STATE" "$@" >>"$TMP/head.log" 2>&1 &
+  HEAD_PID=$!
+  PIDS+=($HEAD_PID)
+  wait_for "$TMP/head.log" "listening on" 10
+  ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | tail -1)
+  HEAD_PORT=${ADDR##*:}
+}
+
+start_agent() {
+  local id=$1; shift
+  "$TWK" node start --address "$ADDR" --node-id "$id" --cache-dir "$TMP/cache-$id" "$@" \
+    >"$TMP/agent-$id.log" 2>&1 &
+  PIDS+=($!)
+  wait_for "$TMP/agent-$id.log" "joined the cluster" 10
+}
+
+# digits_dir NAME EPOCHS [JOB LINES]: a working directory with the digits example (its plugin
+# copied in), EPOCHS epochs.
+digits_dir() {
+  mkdir -p "$TMP/$1"
+  sed -e "s|^plugin *=.*|plugin = \"libdigits.so\"|" -e "s|^epochs *=.*|epochs = $2|" \
+    -e "s|^timeout_s = 120|timeout_s = 120\n${3-}|" \
+    "$SRC/examples/digits/job.toml" >"$TMP/$1/job.toml"
+  cp "$SRC/examples/digits/digits.csv.gz" "$EXAMPLES/digits/libdigits.so" "$TMP/$1/"
+}
+
+# fixture_dir NAME DRIVER: a working directory with a job of the fixture plugin (groups a: 4
+# workers, b: 2).
+fixture_dir() {
+  mkdir -p "$TMP/$1"
+  cat >"$TMP/$1/job.toml" <<TOML
+[job]
+name = "$1"
+plugin = "$PLUGIN"
+driver = "$2"
+timeout_s = 60
+
+[[group]]
+name = "a"
+ranks = 4
+mesh = { dp = 2, tp = 2 }
+
+[[group]]
+name = "b"
+ranks = 2
+mesh = { pp = 2 }
+
+[args]
+tag = "t"
+TOML
+}
+
+# job_field ID FIELD: a field of the job in `twinkle jobs --all --json`.
+job_field() {
+  "$TWK" jobs --all --json --address "$ADDR" "${MEMBER[@]}" |
+    python3 -c 'import json,sys
+jobs = {j["id"]: j for j in json.load(sys.stdin)}
+j = jobs.get(int(sys.argv[1]))
+print("" if j is None else j.get(sys.argv[2], ""))' "$1" "$2"
+}
+
+# wait_state ID STATE SECONDS: until the job is in STATE (polled, with a deadline); fails at once
+# when it ends in another state.
+wait_state() {
+  local deadline=$((SECONDS + $3)) st
+  while :; do
+    st=$(job_field "$1" state)
+    [ "$st" = "$2" ] && return 0
+    case "$st" in SUCCEEDED|FAILED|STOPPED|DROPPED)
+      "$TWK" job show "$1" --address "$ADDR" "${MEMBER[@]}"
+      fail "job $1 ended $st, expected $2" ;;
+    esac
+    [ $SECONDS -lt $deadline ] || { "$TWK" job show "$1" --address "$ADDR" "${MEMBER[@]}"; cat "$TMP/head.log"; fail "job $1 is $st, not $2, after $3 s"; }
+    sleep 0.1
+  done
+}
+
+# submit_id ARGS...: submits, returns the job's id.
+submit_id() {
+  "$TWK" submit --json --address "$ADDR" "${MEMBER[@]}" "$@" >"$TMP/submit.json" 2>"$TMP/submit.err" ||
+    { cat "$TMP/submit.err"; fail "submit $* failed"; }
+  python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$TMP/submit.json"
+}
+
+final_loss() { sed -n 's/^final loss: //p' "$1"; }
+same_loss() {
+  python3 -c "import sys; a,b=float('$1'),float('$2'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
+    fail "final loss $1, expected $2"
+}
+
+MEMBER=()
+case "$CASE" in
+  detached)
+    # Test 1: the job lives on after the client that submitted it is killed.
+    start_head
+    start_agent n1 --cpus 4
+    digits_dir d 4
+    run 0 "$TWK" run --quiet "$TMP/d/job.toml"  # the reference, in local mode
+    want=$(final_loss "$TMP/out")
+    [ -n "$want" ] || fail "no final loss in the reference run"
+    "$TWK" submit "$TMP/d/job.toml" --wait --address "$ADDR" >"$TMP/client.out" 2>&1 &
+    CLIENT=$!
+    PIDS+=($CLIENT)
+    wait_for "$TMP/client.out" "submitted job 1" 20
+    kill -KILL $CLIENT
+    wait_state 1 SUCCEEDED 90
+    run 0 "$TWK" logs 1 --address "$ADDR"
+    same_loss "$(final_loss "$TMP/out")" "$want"
+    expect_out "[model:3]"
+    run 0 "$TWK" jobs --address "$ADDR"
+    grep -E '^ +1 +digits +[a-z]+ +SUCCEEDED +1 +0 ' "$TMP/out" || { cat "$TMP/out"; fail "jobs: no SUCCEEDED row for job 1"; }
+    run 0 "$TWK" job show 1 --address "$ADDR"
+    expect_out "job 1 (digits): SUCCEEDED"
+        for r in 0 1 2 3; do
+      grep -qE "^  model:$r +node n1$" "$TMP/out" || { cat "$TMP/out"; fail "job show: no placement of model:$r on n1"; }
+    done
+    expect_out "exit code  0"
+    expect_out "final loss:"
+    # An interactive run on the same cluster is recorded too, marked as such.
+    run 0 "$TWK" run --quiet --set job.mode=remote "$TMP/d/job.toml" --address "$ADDR"
+    run 0 "$TWK" jobs --address "$ADDR" --json
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); i=[x for x in j if x["kind"]=="interactive"]; assert len(i)==1 and i[0]["state"]=="ENDED" and i[0]["nodes"]==1, j' "$TMP/out" ||
+      { cat "$TMP/out"; fail "the interactive run is not in the history"; }
+    ;;
+
+  logs)
+    # Test 7: -f follows to the end; --rank, --driver, --grep and --tail filter.
+    start_head
+    start_agent n1 --cpus 8
+    fixture_dir t talk
+    id=$(submit_id "$TMP/t/job.toml")
+    timeout 60 "$TWK" logs "$id" -f --address "$ADDR" >"$TMP/follow.out" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || { cat "$TMP/follow.out"; fail "logs -f exited $rc (124: it did not end with the job)"; }
+    grep -qF "TALK DONE" "$TMP/follow.out" || { cat "$TMP/follow.out"; fail "logs -f lacks the driver's last line"; }
+    grep -qF "exited with code 0" "$TMP/follow.out" || { cat "$TMP/follow.out"; fail "logs -f stopped before the end"; }
+    [ "$(job_field "$id" state)" = SUCCEEDED ] || fail "the job did not succeed"
+    run 0 "$TWK" logs "$id" --rank a:2 --address "$ADDR"
+    [ "$(grep -c 'SAY a:2 line' "$TMP/out")" -eq 3 ] || { cat "$TMP/out"; fail "--rank a:2: not its 3 lines"; }
+    if grep -v '^\[a:2\] ' "$TMP/out" | grep -q .; then cat "$TMP/out"; fail "--rank a:2 shows other lines"; fi
+    run 0 "$TWK" logs "$id" --driver --address "$ADDR"
+    expect_out "TALK DONE"
+    if grep -q '^\[a:' "$TMP/out"; then cat "$TMP/out"; fail "--driver shows workers' lines"; fi
+    run 0 "$TWK" logs "$id" --grep 'line 1$' --address "$ADDR"
+    [ "$(wc -l <"$TMP/out")" -eq 4 ] || { cat "$TMP/out"; fail "--grep: not one line per rank of a"; }
+    run 0 "$TWK" logs "$id" --tail 2 --address "$ADDR"
+    [ "$(wc -l <"$TMP/out")" -eq 2 ] || { cat "$TMP/out"; fail "--tail 2: not two lines"; }
+    tail -1 "$TMP/out" | grep -qF "exited with code 0" || { cat "$TMP/out"; fail "--tail: not the last lines"; }
+    run 2 "$TWK" logs "$id" --rank a2 --address "$ADDR"
+    expect_err "GROUP:N"
+    run 1 "$TWK" logs 99 --address "$ADDR"
+    expect_err "no job 99"
+    ;;
+
+  head_killed)
+    # Test 2: SIGKILL the head mid-run and start it again: the running job goes on to SUCCEEDED,
+    # the history is intact, and a queued job starts once the devices are free.
+    start_head
+    start_agent n1 --cpus 4
+    digits_dir quick 2
+    digits_dir long 40
+    first=$(submit_id "$TMP/quick/job.toml")
+    wait_state "$first" SUCCEEDED 60
+    long=$(submit_id "$TMP/long/job.toml")
+    queued=$(submit_id "$TMP/quick/job.toml")
+    wait_state "$long" RUNNING 20
+    deadline=$((SECONDS + 60))
+    until "$TWK" logs "$long" --grep '^epoch 3 ' --address "$ADDR" | grep -q epoch; do
+      [ $SECONDS -lt $deadline ] || fail "the long job did not reach epoch 3"
+      sleep 0.1
+    done
+    run 0 "$TWK" jobs --address "$ADDR"
+    expect_out "waiting for devices"
+    kill -KILL $HEAD_PID
+    wait $HEAD_PID 2>/dev/null
+    start_head  # the same port and state folder
+    wait_for "$TMP/head.log" "1 running" 10
+    wait_state "$long" SUCCEEDED 120
+    wait_state "$queued" SUCCEEDED 90
+    [ "$(job_field "$first" state)" = SUCCEEDED ] || fail "the history lost job $first"
+    ended=$(job_field "$long" ended)
+    started=$(job_field "$queued" started)
+    [ "$started" -ge "$ended" ] || fail "the queued job started ($started) before the long one ended ($ended)"
+    run 0 "$TWK" logs "$long" --address "$ADDR"
+    expect_out "epoch 40 "
+    expect_out "final loss:"
+    ;;
+
+  users)
+    # Test 3: alice cannot stop bob's job; an admin can; the audit shows both.
+    mkdir -p "$TMP/keys"
+    run 0 "$TWK" keygen --out "$TMP/keys/head" --name the-head  # "head" is the head's own name
+    for who in node alice bob carol; do
+      run 0 "$TWK" keygen --out "$TMP/keys/$who" --name "$who"
+    done
+    expect_out 'as "carol"'
+    for who in node alice bob; do cat "$TMP/keys/$who/twinkle.pub"; done >"$TMP/keys/allow"
+    echo "$(cat "$TMP/keys/carol/twinkle.pub") admin" >>"$TMP/keys/allow"
+    start_head --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/allow"
+    as() { echo --key "$TMP/keys/$1/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"; }
+    start_agent n1 --cpus 8 $(as node)
+    fixture_dir h hang
+    MEMBER=($(as bob))
+    id=$(submit_id "$TMP/h/job.toml")
+    wait_state "$id" RUNNING 20
+    deadline=$((SECONDS + 30))
+    until "$TWK" logs "$id" --address "$ADDR" $(as bob) | grep -q "ALL READY"; do
+      [ $SECONDS -lt $deadline ] || fail "the job did not start its workers"
+      sleep 0.1
+    done
+        [ "$(job_field "$id" user)" = bob ] || fail "the job is not bob's: $(job_field "$id" user)"
+    # A second job of bob's waits for the devices the first holds; bob stops it himself.
+    queued=$(submit_id "$TMP/h/job.toml" --name second)
+    deadline=$((SECONDS + 10))
+    until job_field "$queued" reason | grep -q "waiting for devices"; do
+      [ $SECONDS -lt $deadline ] || fail "the second job does not wait for devices: $(job_field "$queued" reason)"
+      sleep 0.1
+    done
+    run 0 "$TWK" stop "$queued" --address "$ADDR" $(as bob)
+    expect_out "job $queued stopped (it had not started)"
+    [ "$(job_field "$queued" state)" = STOPPED ] || fail "the queued job is $(job_field "$queued" state)"
+    [ "$(job_field "$queued" started)" = 0 ] || fail "the stopped queued job started"
+    run 1 "$TWK" stop "$id" --address "$ADDR" $(as alice)
+    expect_err "job $id is bob's; you (alice) may stop only your own jobs"
+    [ "$(job_field "$id" state)" = RUNNING ] || fail "alice's refused stop changed the job"
+    run 0 "$TWK" stop "$id" --address "$ADDR" $(as carol)
+    wait_state "$id" STOPPED 60
+    run 0 "$TWK" job show "$id" --address "$ADDR" $(as alice)
+    expect_out "stopped by carol"
+    grep -E ' bob +submit ' "$TMP/out" || { cat "$TMP/out"; fail "the audit lacks bob's submit"; }
+    grep -E ' alice +stop refused ' "$TMP/out" || { cat "$TMP/out"; fail "the audit lacks alice's refused stop"; }
+    grep -E ' carol +stop ' "$TMP/out" || { cat "$TMP/out"; fail "the audit lacks carol's stop"; }
+    # An allow-list line with a third word that is not "admin" is refused with its line.
+    echo "$(cat "$TMP/keys/alice/twinkle.pub") boss" >"$TMP/keys/bad"
+    run 2 "$TWK" node start --head --no-agent --bind 127.0.0.1 --port 0 --state-dir "$TMP/s2" \
+      --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/bad"
+    expect_err "bad:1: \"boss\" after the name"
+    ;;
+
+  after)
+    # Test 4: --after ID:ok runs only after ID succeeds; --after ID:notok is dropped then.
+    start_head
+    start_agent n1 --cpus 8
+    fixture_dir ok modes
+    fixture_dir bad throws
+    a=$(submit_id "$TMP/ok/job.toml")
+    b=$(submit_id "$TMP/ok/job.toml" --after "$a:ok" --name after-ok)
+    c=$(submit_id "$TMP/ok/job.toml" --after "$a:notok" --name after-notok)
+    e=$(submit_id "$TMP/bad/job.toml")
+    f=$(submit_id "$TMP/ok/job.toml" --after "$e:notok")
+    g=$(submit_id "$TMP/ok/job.toml" --after "$e")
+    wait_state "$b" SUCCEEDED 60
+    wait_state "$c" DROPPED 30
+    wait_state "$f" SUCCEEDED 60
+    wait_state "$g" DROPPED 30
+    [ "$(job_field "$e" state)" = FAILED ] || fail "job $e should have failed"
+    [ "$(job_field "$b" started)" -ge "$(job_field "$a" ended)" ] || fail "job $b started before job $a ended"
+    run 0 "$TWK" job show "$c" --address "$ADDR"
+    expect_out "job $a ended SUCCEEDED, and this job runs only after it fails or is stopped"
+    run 0 "$TWK" job show "$g" --address "$ADDR"
+    expect_out "job $e ended FAILED, and this job runs only after it succeeds"
+    run 2 "$TWK" submit "$TMP/ok/job.toml" --after 999 --address "$ADDR"
+    expect_err "--after 999: no such job"
+    run 2 "$TWK" submit "$TMP/ok/job.toml" --after "$a:maybe" --address "$ADDR"
+    expect_err "ok, notok or any"
+    ;;
+
+  retries)
+    # Test 5: --max-retries 1: the driver SIGKILLed mid-run starts again with --resume and the
+    # job ends SUCCEEDED with 1 retry and the uninterrupted run's final loss.
+    start_head
+    start_agent n1 --cpus 4
+        digits_dir ref 30 'checkpoint_dir = "ck"'
+    digits_dir r 30 'checkpoint_dir = "ck"'
+    run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
+    want=$(final_loss "$TMP/out")
+    id=$(submit_id "$TMP/r/job.toml" --max-retries 1)
+    deadline=$((SECONDS + 60))
+    until "$TWK" logs "$id" --grep '^epoch 3 ' --address "$ADDR" | grep -q epoch; do
+      [ $SECONDS -lt $deadline ] || fail "the job did not reach epoch 3"
+      sleep 0.1
+    done
+    driver=$(awk '{print $2}' "$STATE/jobs/$id/attempt")
+    [ -n "$driver" ] || fail "no driver pid in the attempt file"
+    kill -KILL "$driver"
+    wait_state "$id" SUCCEEDED 120
+    [ "$(job_field "$id" retries)" = 1 ] || fail "retries: $(job_field "$id" retries), expected 1"
+    run 0 "$TWK" logs "$id" --address "$ADDR"
+        expect_out "was killed by signal 9; starting it again (1 of 1 retries, resuming from its newest checkpoint)"
+        expect_out "resumed after epoch"
+    [ "$(grep -c '^final loss: ' "$TMP/out")" -eq 1 ] || { cat "$TMP/out"; fail "the first attempt was not killed mid-run"; }
+    same_loss "$(final_loss "$TMP/out")" "$want"
+    run 0 "$TWK" jobs --address "$ADDR"
+    grep -E "^ +$id +digits .* SUCCEEDED .* 1 +0$" "$TMP/out" || { cat "$TMP/out"; fail "jobs: no retry counted"; }
+    ;;
+
+  upload)
+    # Test 6: the same working directory uploads once; one over the limit is refused before
+    # anything is queued; a job file with an error is refused with its file:line:col.
+    start_head
+    start_agent n1 --cpus 8
+    fixture_dir u modes
+    run 0 "$TWK" submit --json "$TMP/u/job.toml" --address "$ADDR"
+    python3 -c 'import json,sys; assert json.load(open(sys.argv[1]))["uploaded"] is True' "$TMP/out" || fail "the first submit did not upload"
+    run 0 "$TWK" submit "$TMP/u/job.toml" --address "$ADDR"
+    expect_out "the head had it already"
+    [ "$(ls "$STATE/uploads" | wc -l)" -eq 1 ] || { ls "$STATE/uploads"; fail "two uploads of one folder"; }
+    wait_state 2 SUCCEEDED 60
+    head -c 3000000 /dev/urandom >"$TMP/u/big.bin"
+    run 2 "$TWK" submit "$TMP/u/job.toml" --max-upload 1MiB --address "$ADDR"
+    expect_err "more than the upload limit of 1.0 MiB"
+    expect_err ".twinkleignore"
+    echo "big.bin" >"$TMP/u/.twinkleignore"
+    run 0 "$TWK" submit --json "$TMP/u/job.toml" --max-upload 1MiB --address "$ADDR"
+    rm "$TMP/u/big.bin" "$TMP/u/.twinkleignore"
+    printf '[job]\nname = "broken"\nplugin = "x.so"\n\n[[group]]\nname = "a"\nranks = "four"\n' >"$TMP/u/broken.toml"
+    run 2 "$TWK" submit "$TMP/u/broken.toml" --address "$ADDR"
+    expect_err "broken.toml:7:9: group \"a\": ranks must be an integer"
+    run 2 "$TWK" submit "$TMP/u/job.toml" --working-dir "$TMP/ok-elsewhere" --address "$ADDR"
+    expect_err "is not inside the working directory"
+    [ "$(job_field 4 state)" = "" ] || fail "a refused submit was queued"
+    [ "$(ls "$STATE/uploads" | wc -l)" -eq 2 ] || { ls "$STATE/uploads"; fail "a refused submit uploaded"; }
+    ;;
+
+  node_stop)
+    # Test 9: `twinkle node stop` stops a head and an agent that run in the foreground.
+    "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 2 --state-dir "$STATE" >"$TMP/head.log" 2>&1 &
+    head_pid=$!
+    PIDS+=($head_pid)
+    wait_for "$TMP/head.log" "joined the cluster" 10
+    ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
+    start_agent n2 --cpus 2
+    agent_pid=${PIDS[-1]}
+    run 0 "$TWK" node stop
+    [ "$(grep -c 'stopped the node' "$TMP/out")" -eq 2 ] || { cat "$TMP/out"; fail "not both nodes stopped"; }
+    for p in $head_pid $agent_pid; do
+      wait "$p" 2>/dev/null
+      [ ! -e "/proc/$p" ] || grep -q '^[0-9]* ([^)]*) Z' "/proc/$p/stat" || fail "node $p still runs"
+    done
+    run 2 "$TWK" node stop
+    expect_err "no node of this user runs on this machine"
+    ;;
+
+  *) fail "unknown case $CASE" ;;
+esac
+echo "PASS jobs $CASE"
