@@ -4,6 +4,8 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -19,6 +21,7 @@
 #include "core/cluster/head_link.hpp"
 #include "core/job/job.hpp"
 #include "core/job/resources.hpp"
+#include "core/job/topology.hpp"
 #include "core/jobs/archive.hpp"
 #include "core/jobs/supervisor.hpp"
 #include "twinkle/errors.hpp"
@@ -339,6 +342,41 @@ int run_jobs(const JobsOptions& o) {
   return kExitOk;
 }
 
+// The job's topology as `twinkle topology` draws it, from its job file and where its ranks ran;
+// nullopt for an interactive run or one not placed yet.
+std::optional<std::string> topology_of(const proto::JobEntry& e) {
+  if (!e.job_text || e.placement.empty()) return std::nullopt;
+  try {
+    std::vector<core::Override> overrides;
+    for (const auto& s : e.overrides) overrides.push_back(core::parse_override(s));
+    overrides.push_back(core::Override{"job.mode", "remote"});
+    const core::Job job = core::parse_job(*e.job_text, e.job_file, overrides);
+    core::Placement p;
+    std::map<std::string, int> node_index;
+    for (const auto& g : job.groups) {
+      core::GroupPlacement gp;
+      gp.group = &g;
+      for (const auto& r : e.placement) {
+        if (r.group != g.name) continue;
+        if (r.rank < 0 || static_cast<std::size_t>(r.rank) >= g.ranks.size()) return std::nullopt;
+        auto [it, fresh] = node_index.emplace(r.node, static_cast<int>(p.nodes.size()));
+        if (fresh) {
+          core::NodeSlot slot;
+          slot.id = slot.host = r.node;
+          p.nodes.push_back(std::move(slot));
+        }
+        gp.workers.push_back(core::WorkerPlacement{g.ranks[static_cast<std::size_t>(r.rank)],
+                                                   r.rank, it->second, r.gpus});
+      }
+      if (gp.workers.size() != g.ranks.size()) return std::nullopt;
+      p.groups.push_back(std::move(gp));
+    }
+    return core::render_topology(job, p);
+  } catch (const std::exception&) {
+    return std::nullopt;  // a job file this build reads differently: the placement lines remain
+  }
+}
+
 struct ShowOptions {
   std::string job;
   bool json = false;
@@ -367,6 +405,7 @@ int run_show(const ShowOptions& o) {
   if (!j.stopped_by.empty()) fmt::print("  stopped by {}\n", j.stopped_by);
   fmt::print("  devices    {} node(s), {} CPU(s), {} GPU(s); {:.0f} GPU-seconds\n", j.nodes, j.cpus,
              j.gpus, j.gpu_seconds);
+  if (auto topology = topology_of(j)) fmt::print("{}", *topology);
   if (!j.placement.empty()) {
     fmt::print("placement (run {}):\n", j.run);
     for (const auto& p : j.placement) {

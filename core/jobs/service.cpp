@@ -330,6 +330,10 @@ struct JobService::State {
         }
       }
       e.summary = summary(j->id);
+      if (j->kind == "submitted") {
+        std::ifstream in(job_dir(j->id) / "work" / j->job_file);
+        if (in) e.job_text = std::string(std::istreambuf_iterator<char>(in), {});
+      }
       for (const auto& a : store->audit_of(j->id))
         e.audit.push_back(proto::AuditEntry{a.time, a.user, a.action, a.from, a.detail});
       info.jobs.push_back(std::move(e));

@@ -139,7 +139,9 @@ case "$CASE" in
     run 0 "$TWK" jobs --address "$ADDR"
     grep -E '^ +1 +digits +[a-z]+ +SUCCEEDED +1 +0 ' "$TMP/out" || { cat "$TMP/out"; fail "jobs: no SUCCEEDED row for job 1"; }
     run 0 "$TWK" job show 1 --address "$ADDR"
-    expect_out "job 1 (digits): SUCCEEDED"
+        expect_out "job 1 (digits): SUCCEEDED"
+    expect_out "DEVICE PLACEMENT TOPOLOGY"  # as `twinkle topology` draws it, with the real nodes
+    expect_out "4 workers on n1"
         for r in 0 1 2 3; do
       grep -qE "^  model:$r +node n1$" "$TMP/out" || { cat "$TMP/out"; fail "job show: no placement of model:$r on n1"; }
     done
@@ -321,6 +323,28 @@ case "$CASE" in
     same_loss "$(final_loss "$TMP/out")" "$want"
     run 0 "$TWK" jobs --address "$ADDR"
     grep -E "^ +$id +digits .* SUCCEEDED .* 1 +0$" "$TMP/out" || { cat "$TMP/out"; fail "jobs: no retry counted"; }
+    ;;
+
+    stop_checkpoint)
+    # `twinkle stop` of a job with a checkpoint_dir: the graceful path, a checkpoint, exit 75,
+    # STOPPED; the checkpoint is in the job's copy of its folder.
+    start_head
+    start_agent n1 --cpus 4
+    digits_dir s 30 'checkpoint_dir = "ck"'
+    id=$(submit_id "$TMP/s/job.toml")
+    deadline=$((SECONDS + 60))
+    until "$TWK" logs "$id" --grep '^epoch 3 ' --address "$ADDR" | grep -q epoch; do
+      [ $SECONDS -lt $deadline ] || fail "the job did not reach epoch 3"
+      sleep 0.1
+    done
+    run 0 "$TWK" stop "$id" --address "$ADDR"
+    expect_out "asked its driver to stop"
+    wait_state "$id" STOPPED 60
+    [ "$(job_field "$id" exit_code)" = 75 ] || fail "exit code $(job_field "$id" exit_code), expected 75"
+    job_field "$id" reason | grep -qF "after its checkpoint" || fail "reason: $(job_field "$id" reason)"
+    run 0 "$TWK" logs "$id" --address "$ADDR"
+    expect_out "stopping after epoch"
+    ls "$STATE/jobs/$id/work/ck/" | grep -q '^step-' || { ls -R "$STATE/jobs/$id/work"; fail "no checkpoint in the job's folder"; }
     ;;
 
   upload)

@@ -835,6 +835,7 @@ struct JobEntry {
   std::vector<RankPlace> placement;
   std::vector<std::string> summary;  // the last lines of its log
   std::vector<AuditEntry> audit;
+  std::optional<std::string> job_text;  // its job file (submitted jobs), for the topology
   static constexpr auto fields() {
     return std::tuple{field("id", &JobEntry::id),
                       field("name", &JobEntry::name),
@@ -860,7 +861,8 @@ struct JobEntry {
                       field("after", &JobEntry::after),
                       field("placement", &JobEntry::placement),
                       field("summary", &JobEntry::summary),
-                      field("audit", &JobEntry::audit)};
+                      field("audit", &JobEntry::audit),
+                      field("job_text", &JobEntry::job_text)};
   }
 };
 
