@@ -148,7 +148,7 @@ proto::JobEntry show_entry(Client& c, std::int64_t id) {
   proto::JobsQuery q;
   q.job = id;
   auto info = c.ask<proto::JobsInfo>(q);
-  if (info.error) throw ConfigError(*info.error);
+  if (info.error) throw Error(*info.error);
   if (info.jobs.empty()) throw Error(fmt::format("the head sent no job {}", id));
   return info.jobs.front();
 }

@@ -375,6 +375,25 @@ case "$CASE" in
     [ "$(ls "$STATE/uploads" | wc -l)" -eq 2 ] || { ls "$STATE/uploads"; fail "a refused submit uploaded"; }
     ;;
 
+    retention)
+    # --keep-jobs N: the history keeps the newest N ended jobs; older ones go with their folders,
+    # and an archive with the last job that used it.
+    start_head --keep-jobs 2
+    start_agent n1 --cpus 8
+    fixture_dir one modes
+    fixture_dir two modes
+    a=$(submit_id "$TMP/one/job.toml")
+    wait_state "$a" SUCCEEDED 60
+    for _ in 1 2; do last=$(submit_id "$TMP/two/job.toml"); wait_state "$last" SUCCEEDED 60; done
+    run 0 "$TWK" jobs --all --json --address "$ADDR"
+    python3 -c 'import json,sys; ids=[j["id"] for j in json.load(open(sys.argv[1]))]; assert ids==[int(sys.argv[2]), int(sys.argv[2])-1], ids' "$TMP/out" "$last" ||
+      { cat "$TMP/out"; fail "--keep-jobs 2 should keep jobs $((last-1)) and $last only"; }
+    [ ! -e "$STATE/jobs/$a" ] || fail "the pruned job's folder is left"
+    [ "$(ls "$STATE/uploads" | wc -l)" -eq 1 ] || { ls "$STATE/uploads"; fail "the pruned job's archive is left"; }
+    run 1 "$TWK" job show "$a" --address "$ADDR"
+    expect_err "no job $a in this cluster's history"
+    ;;
+
   node_stop)
     # Test 9: `twinkle node stop` stops a head and an agent that run in the foreground.
     "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 2 --state-dir "$STATE" >"$TMP/head.log" 2>&1 &
