@@ -5,6 +5,7 @@
 #include <ctime>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -60,20 +61,31 @@ std::string host_name() {
 
 class Client {
  public:
-  explicit Client(const ClusterFlags& f)
-      : address_(head_address(f)),
-        link_(address_, core::cluster::member_security(f.keys, address_),
-              fmt::format("client/{:08x}{:08x}", std::random_device{}(), std::random_device{}())) {}
+  explicit Client(const ClusterFlags& f) : address_(head_address(f)), link_(connect(f)) {}
 
   template <class Answer, class Ask>
   Answer ask(Ask body) {
-    return link_.request<Answer>(Message{++id_, std::move(body)}, kRequestTimeout);
+    return link_->request<Answer>(Message{++id_, std::move(body)}, kRequestTimeout);
   }
   const std::string& address() const { return address_; }
 
  private:
+  std::unique_ptr<core::cluster::HeadLink> connect(const ClusterFlags& f) const {
+    try {
+      return std::make_unique<core::cluster::HeadLink>(
+          address_, core::cluster::member_security(f.keys, address_),
+          fmt::format("client/{:08x}{:08x}", std::random_device{}(), std::random_device{}()));
+    } catch (const TransportError& e) {
+      if (!f.resolve().empty()) throw;
+      throw TransportError(fmt::format(
+          "{} With no --address and no TWINKLE_ADDRESS that is the head of this machine: start "
+          "one with `twinkle node start --head`, or give the cluster's address",
+          e.what()));
+    }
+  }
+
   std::string address_;
-  core::cluster::HeadLink link_;
+  std::unique_ptr<core::cluster::HeadLink> link_;
   std::uint64_t id_ = 0;
 };
 
