@@ -29,6 +29,7 @@
 #include "core/cluster/head.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/security.hpp"
+#include "core/job/resources.hpp"
 #include "core/runtime/spawner.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
@@ -187,6 +188,11 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
+      if (!o.no_agent) {
+        // The head's own agent, by the id it will register with (the host name by default).
+        if (o.node_id.empty()) o.node_id = core::discover_local().hostname;
+        ho.local_node = o.node_id;
+      }
       const bool secure = ho.security.socket.secure();
       const std::string head_public = secure ? ho.security.socket.keys->public_key : "";
       head = std::make_unique<core::cluster::Head>(std::move(ho));

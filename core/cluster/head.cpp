@@ -73,12 +73,19 @@ struct Run {
   bool adopted = false;
   // Held by the job service for a submitted job whose driver is starting (not leased).
   std::int64_t hold_job = 0;
+  // The CPU a submitted job's driver takes on the head's own node, while the job runs.
+  bool driver_cpu = false;
 };
 
 // How long a hold waits for its job's driver to reserve.
 constexpr auto kHoldLimit = std::chrono::seconds(120);
 
 std::string hold_id(std::int64_t job) { return fmt::format("job-{}-starting", job); }
+std::string driver_id(std::int64_t job) { return fmt::format("job-{}-driver", job); }
+
+// The label every node carries in the scheduler's eyes (not in its own table): its id, so that
+// a demand can name one node.
+constexpr const char* kNodeLabel = "twinkle/node";
 
 std::vector<GroupDemand> to_demands(const std::vector<proto::GroupDemandEntry>& groups) {
   std::vector<GroupDemand> demands;
@@ -140,6 +147,7 @@ struct Head::State {
       c.id = id;
       c.cpus = n.cpus;
       c.labels = n.labels;
+      c.labels[kNodeLabel] = id;
       for (const auto& g : n.gpus) c.gpus.push_back(g.index);
       if (free) {
         for (const auto& [rid, r] : runs) {
@@ -397,18 +405,47 @@ struct Head::State {
   // ----- the job service's view of the cluster -----------------------------------------------
 
   std::optional<std::string> hold(std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
-    const auto demands = to_demands(g);
+    auto demands = to_demands(g);
+    // The driver runs on the head's machine: when that is a node, it takes one of its CPUs,
+    // placed first.
+    const bool driver_here = !options.local_node.empty();
+    if (driver_here) {
+      GroupDemand d;
+      d.name = "the driver (on the head's node " + options.local_node + ")";
+      d.workers = 1;
+      d.labels[kNodeLabel] = options.local_node;
+      demands.insert(demands.begin(), std::move(d));
+    }
     std::string why;
+    const std::string driver_note =
+        driver_here ? fmt::format(
+                          " (besides its workers, its driver takes one CPU of {}, the "
+                          "head's node, where it runs)",
+                          options.local_node)
+                    : "";
     if (!schedule(capacity(false), demands, &why))
-      return fmt::format("it does not fit the live nodes: {}; {}", why, cluster_text());
+      return fmt::format("it does not fit the live nodes: {}{}; {}", why, driver_note,
+                         cluster_text());
     auto slots = schedule(capacity(true), demands, &why);
     if (!slots) {
       std::vector<std::string> holders;
       for (const auto& [rid, r] : runs) {
-        holders.push_back(r.hold_job ? fmt::format("job {} (starting)", r.hold_job)
-                                     : fmt::format("{} (run {}, owner {})", r.job, rid, r.owner));
+        holders.push_back(r.driver_cpu ? fmt::format("job {}'s driver", r.hold_job)
+                          : r.hold_job ? fmt::format("job {} (starting)", r.hold_job)
+                                       : fmt::format("{} (run {}, owner {})", r.job, rid, r.owner));
       }
-      return fmt::format("{}; held by {}", why, fmt::join(holders, ", "));
+      return fmt::format("{}{}; held by {}", why, driver_note, fmt::join(holders, ", "));
+    }
+    if (driver_here) {
+      Run& d = runs[driver_id(job)];
+      d.id = driver_id(job);
+      d.job = fmt::format("job {} (its driver)", job);
+      d.owner = "the job service";
+      d.hold_job = job;
+      d.driver_cpu = true;
+      d.since = unix_now();
+      d.bundles = {Bundle{options.local_node, {}, 1}};
+      slots->erase(slots->begin());
     }
     Run& x = runs[hold_id(job)];
     x.id = hold_id(job);
@@ -450,7 +487,10 @@ struct Head::State {
       view.hold = [this](std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
         return hold(job, g);
       };
-      view.unhold = [this](std::int64_t job) { runs.erase(hold_id(job)); };
+      view.unhold = [this](std::int64_t job) {
+        runs.erase(hold_id(job));
+        runs.erase(driver_id(job));
+      };
       view.release_run = [this](const std::string& run) { on_release(run); };
       view.run_known = [this](const std::string& run) { return runs.count(run) > 0; };
       jobs = std::make_unique<jobs::JobService>(std::move(so), std::move(view));
@@ -530,7 +570,8 @@ struct Head::State {
     }
     for (auto r = runs.begin(); r != runs.end();) {
       if (r->second.hold_job) {
-        r = Clock::now() - r->second.last_lease < kHoldLimit ? std::next(r) : runs.erase(r);
+        const bool keep = r->second.driver_cpu || Clock::now() - r->second.last_lease < kHoldLimit;
+        r = keep ? std::next(r) : runs.erase(r);
         continue;
       }
       if (Clock::now() - r->second.last_lease < kSilenceLimit) {
@@ -547,7 +588,7 @@ struct Head::State {
         if (n != nodes.end() && n->second.alive)
           send(n->second.identity, Message{0, proto::KillJob{r->first}});
       }
-            r = runs.erase(r);
+      r = runs.erase(r);
     }
   }
 };
@@ -595,7 +636,7 @@ const std::string& Head::endpoint() const { return s_->endpoint; }
 
 void Head::run(const std::atomic<bool>& stop) {
   State& s = *s_;
-    auto next_tick = Clock::now() + kTick;
+  auto next_tick = Clock::now() + kTick;
   auto next_job_tick = Clock::now() + kJobTick;
   while (!stop) {
     zmq::pollitem_t item{s.router.handle(), 0, ZMQ_POLLIN, 0};

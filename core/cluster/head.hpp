@@ -28,6 +28,9 @@ struct HeadOptions {
   std::uint64_t job_log_cap = 64ull << 20;
   std::uint64_t max_upload = 5ull << 28;  // bytes of one archive (a client's 1 GiB and headers)
   std::filesystem::path exe;              // the twinkle binary submitted jobs' drivers run
+  // The node id of this machine's own agent ("" with --no-agent): submitted jobs' drivers run
+  // here, and each takes one of its CPUs.
+  std::string local_node;
 };
 
 class Head {

@@ -780,9 +780,9 @@ void JobService::reserved(const std::string& run, std::optional<std::int64_t> jo
     }
     std::optional<JobRecord> j;
     if (job_id) j = s.store->get(*job_id);
-    if (j && j->kind == "submitted") {
-      s.cluster.unhold(j->id);
-    } else {
+    // A submitted job's driver: the head gave it what was held for it (its driver's CPU stays
+    // held until the job ends).
+    if (!j || j->kind != "submitted") {
       if (s.interactive.count(run)) return;
       JobRecord r;
       r.name = name;

@@ -394,6 +394,49 @@ case "$CASE" in
     expect_err "no job $a in this cluster's history"
     ;;
 
+    driver_cpu)
+    # A submitted job's driver runs on the head's machine and, when that is a node, takes one of
+    # its CPUs while the job runs: a 4-worker job on a head node of 4 CPUs waits, saying why; with
+    # a second node its workers go there and the driver's CPU stays on the head's node.
+    "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 4 --node-id hn --state-dir "$STATE" \
+      --cache-dir "$TMP/cache-hn" >"$TMP/head.log" 2>&1 &
+    PIDS+=($!)
+    wait_for "$TMP/head.log" "joined the cluster" 10
+    ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
+        digits_dir d 300  # long enough to look at while it runs; stopped below
+    id=$(submit_id "$TMP/d/job.toml")
+    deadline=$((SECONDS + 10))
+    until job_field "$id" reason | grep -qF "its driver takes one CPU of hn, the head's node"; do
+      [ $SECONDS -lt $deadline ] || fail "the job does not wait for its driver's CPU: $(job_field "$id" reason)"
+      sleep 0.1
+    done
+    [ "$(job_field "$id" state)" = QUEUED ] || fail "the job should wait"
+    start_agent n2 --cpus 4
+    wait_state "$id" RUNNING 20
+    deadline=$((SECONDS + 20))
+    until "$TWK" nodes --address "$ADDR" --json >"$TMP/nodes.json" && python3 - "$TMP/nodes.json" "$id" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+job = sys.argv[2]
+r = {x["run"]: x for x in d["reservations"]}
+drv = r.get(f"job-{job}-driver")
+assert drv and drv["bundles"] == [{"node": "hn", "gpus": [], "cpus": 1}], r
+work = [x for k, x in r.items() if not k.startswith("job-")]
+assert len(work) == 1 and [b["node"] for b in work[0]["bundles"]] == ["n2"], r
+PY
+    do
+            [ $SECONDS -lt $deadline ] || { cat "$TMP/nodes.json"; fail "no driver CPU on hn with the workers on n2"; }
+      sleep 0.1
+    done
+    run 0 "$TWK" stop --now "$id" --address "$ADDR"
+    wait_state "$id" STOPPED 30
+    deadline=$((SECONDS + 10))
+    until "$TWK" nodes --address "$ADDR" --json | python3 -c 'import json,sys; sys.exit(0 if not json.load(sys.stdin)["reservations"] else 1)'; do
+      [ $SECONDS -lt $deadline ] || fail "the driver's CPU was not freed with the job"
+      sleep 0.1
+    done
+    ;;
+
   node_stop)
     # Test 9: `twinkle node stop` stops a head and an agent that run in the foreground.
     "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 2 --state-dir "$STATE" >"$TMP/head.log" 2>&1 &
