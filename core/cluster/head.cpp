@@ -437,14 +437,7 @@ struct Head::State {
       return fmt::format("{}{}; held by {}", why, driver_note, fmt::join(holders, ", "));
     }
     if (driver_here) {
-      Run& d = runs[driver_id(job)];
-      d.id = driver_id(job);
-      d.job = fmt::format("job {} (its driver)", job);
-      d.owner = "the job service";
-      d.hold_job = job;
-      d.driver_cpu = true;
-      d.since = unix_now();
-      d.bundles = {Bundle{options.local_node, {}, 1}};
+      hold_driver(job);
       slots->erase(slots->begin());
     }
     Run& x = runs[hold_id(job)];
@@ -465,6 +458,20 @@ struct Head::State {
     }
     for (auto& [id, bu] : per_node) x.bundles.push_back(bu);
     return std::nullopt;
+  }
+
+  // The CPU of job `job`'s driver on the head's node (when the head has one), held until the job
+  // ends; also taken again for a job that already runs when a restarted head meets it.
+  void hold_driver(std::int64_t job) {
+    if (options.local_node.empty() || runs.count(driver_id(job))) return;
+    Run& d = runs[driver_id(job)];
+    d.id = driver_id(job);
+    d.job = fmt::format("job {} (its driver)", job);
+    d.owner = "the job service";
+    d.hold_job = job;
+    d.driver_cpu = true;
+    d.since = unix_now();
+    d.bundles = {Bundle{options.local_node, {}, 1}};
   }
 
   void start_jobs() {
@@ -493,6 +500,7 @@ struct Head::State {
       };
       view.release_run = [this](const std::string& run) { on_release(run); };
       view.run_known = [this](const std::string& run) { return runs.count(run) > 0; };
+      view.hold_driver = [this](std::int64_t job) { hold_driver(job); };
       jobs = std::make_unique<jobs::JobService>(std::move(so), std::move(view));
     }
   }

@@ -756,6 +756,7 @@ void JobService::tick() {
   try {
     for (auto& j : s.store->in_state("RUNNING")) {
       if (j.kind == "submitted") {
+        if (s.cluster.hold_driver) s.cluster.hold_driver(j.id);  // again after a head restart
         s.watch(j);
       } else if (Clock::now() - s.started > kAdoptionGrace && !s.cluster.run_known(j.run)) {
         s.interactive.erase(j.run);

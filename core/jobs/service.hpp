@@ -34,6 +34,9 @@ struct ClusterView {
   std::function<void(const std::string& run)> release_run;
   // True while the head has a reservation for `run`.
   std::function<bool(const std::string& run)> run_known;
+  // The CPU a running job's driver takes on the head's node (nothing when held already, or when
+  // the head's machine is no node).
+  std::function<void(std::int64_t id)> hold_driver;
 };
 
 struct ServiceOptions {
