@@ -142,7 +142,7 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
                 twinkle::transport::proto::Reserve{run, "bench", "bench", false, groups, {}}},
         std::chrono::seconds(10));
     if (!r.ok) throw std::runtime_error("reservation refused");
-    link.send(Message{0, twinkle::transport::proto::Release{run}});
+    link.send(Message{0, twinkle::transport::proto::Release{run, {}}});
   }
   out.placements_s = n / std::chrono::duration<double>(Clock::now() - t0).count();
   stop = true;

@@ -331,10 +331,10 @@ struct Head::State {
     reply(std::move(r));
   }
 
-  void on_release(const std::string& run_id) {
+  void on_release(const std::string& run_id, const std::optional<std::string>& outcome = {}) {
     auto r = runs.find(run_id);
     if (r == runs.end()) return;
-    if (jobs) jobs->released(run_id, false);
+    if (jobs) jobs->released(run_id, false, outcome);
     for (const auto& b : r->second.bundles) {
       auto n = nodes.find(b.node);
       if (n != nodes.end() && n->second.alive)
@@ -539,7 +539,7 @@ struct Head::State {
               r->second.driver = from;
             }
           } else if constexpr (std::is_same_v<T, proto::Release>) {
-            on_release(b.run);
+            on_release(b.run, b.outcome);
           } else if constexpr (std::is_same_v<T, proto::Launch> ||
                                std::is_same_v<T, proto::PluginBytes> ||
                                std::is_same_v<T, proto::StopJob>) {

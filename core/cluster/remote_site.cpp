@@ -58,7 +58,7 @@ class ClusterSite : public RemoteSite {
       : security_(security), link_(address, security_, driver_identity()) {}
 
   ~ClusterSite() override {
-    if (!run_.empty()) link_.post(Message{0, proto::Release{run_}});
+    if (!run_.empty()) link_.post(Message{0, proto::Release{run_, outcome_}});
     link_.stop(std::chrono::milliseconds(1000));
   }
 
@@ -113,6 +113,7 @@ class ClusterSite : public RemoteSite {
   }
 
   std::string driver_address() const override { return link_.local_address(); }
+  void ended(const std::string& outcome) override { outcome_ = outcome; }
   bool secure() const override { return security_.secure(); }
 
   std::unique_ptr<Launcher> launcher(const Job& job, const Placement& placement, Launch launch,
@@ -191,6 +192,7 @@ class ClusterSite : public RemoteSite {
   HeadLink link_;
   std::uint64_t request_id_ = 0;
   std::string run_;
+  std::optional<std::string> outcome_;  // how the run ended, for the release
   std::mutex mu_;
   ClusterLauncher* launcher_ = nullptr;
 };

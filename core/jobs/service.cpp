@@ -808,7 +808,8 @@ void JobService::reserved(const std::string& run, std::optional<std::int64_t> jo
   }
 }
 
-void JobService::released(const std::string& run, bool lapsed) {
+void JobService::released(const std::string& run, bool lapsed,
+                          const std::optional<std::string>& outcome) {
   State& s = *s_;
   auto it = s.interactive.find(run);
   if (it == s.interactive.end()) return;
@@ -816,8 +817,14 @@ void JobService::released(const std::string& run, bool lapsed) {
     if (auto j = s.store->get(it->second); j && !ended(j->state)) {
       if (lapsed) {
         s.finish(*j, "FAILED", "its driver stopped renewing its lease (killed, or cut off)");
+      } else if (outcome == "succeeded") {
+        s.finish(*j, "SUCCEEDED", "its driver (in its terminal) ended it: succeeded");
+      } else if (outcome == "failed") {
+        s.finish(*j, "FAILED", "its driver (in its terminal) ended it: failed");
+      } else if (outcome == "stopped") {
+        s.finish(*j, "STOPPED", "its driver (in its terminal) was stopped or interrupted");
       } else {
-        s.finish(*j, "ENDED", "its driver released its devices");
+        s.finish(*j, "ENDED", "its driver released its devices without saying how it ended");
       }
     }
   } catch (const std::exception& e) {

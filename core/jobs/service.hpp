@@ -80,8 +80,10 @@ class JobService {
   void reserved(const std::string& run, std::optional<std::int64_t> job_id, const std::string& name,
                 const std::string& user, const std::vector<proto::RankPlace>& placement, int gpus,
                 int cpus, int nodes);
-  // `run` ended: released by its driver (`lapsed` false) or its lease ran out.
-  void released(const std::string& run, bool lapsed);
+  // `run` ended: released by its driver (`lapsed` false; with how it ended when the driver said)
+  // or its lease ran out.
+  void released(const std::string& run, bool lapsed,
+                const std::optional<std::string>& outcome = std::nullopt);
 
  private:
   struct State;

@@ -101,6 +101,22 @@ class JobRun : public HostOps {
   // exit code into a death by signal.
   ~JobRun() override { stop_signal_thread(); }
 
+  // run(), and the cluster (remote mode) hears how it ended, for its history.
+  RunResult run_and_tell() {
+    try {
+      const RunResult r = run();
+      if (site_) {
+        site_->ended(r.outcome == RunResult::Outcome::ok       ? "succeeded"
+                     : r.outcome == RunResult::Outcome::failed ? "failed"
+                                                               : "stopped");
+      }
+      return r;
+    } catch (...) {
+      if (site_) site_->ended("failed");
+      throw;
+    }
+  }
+
   RunResult run() {
     // Before any thread exists (ZeroMQ's, the spawner's), so that every thread blocks them and
     // only the signal thread takes them: a signal delivered to another thread would run the
@@ -926,7 +942,7 @@ class JobRun : public HostOps {
 
 RunResult run_job(const RunOptions& options) {
   JobRun run(options);
-  return run.run();
+  return run.run_and_tell();
 }
 
 }  // namespace twinkle::core

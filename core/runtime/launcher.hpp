@@ -72,6 +72,9 @@ class RemoteSite {
   virtual std::string driver_address() const = 0;
   // Whether the cluster uses keys: then the run's sockets use CURVE too.
   virtual bool secure() const = 0;
+  // How the run ended, before the site goes: "succeeded", "failed" or "stopped" (the head records
+  // it for `twinkle jobs`).
+  virtual void ended(const std::string& outcome) { (void)outcome; }
 
   struct Launch {
     std::filesystem::path plugin;

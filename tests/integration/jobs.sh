@@ -150,7 +150,7 @@ case "$CASE" in
     # An interactive run on the same cluster is recorded too, marked as such.
     run 0 "$TWK" run --quiet --set job.mode=remote "$TMP/d/job.toml" --address "$ADDR"
     run 0 "$TWK" jobs --address "$ADDR" --json
-    python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); i=[x for x in j if x["kind"]=="interactive"]; assert len(i)==1 and i[0]["state"]=="ENDED" and i[0]["nodes"]==1, j' "$TMP/out" ||
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); i=[x for x in j if x["kind"]=="interactive"]; assert len(i)==1 and i[0]["state"]=="SUCCEEDED" and i[0]["nodes"]==1, j' "$TMP/out" ||
       { cat "$TMP/out"; fail "the interactive run is not in the history"; }
     ;;
 

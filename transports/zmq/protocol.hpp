@@ -538,7 +538,10 @@ struct Reservation {
 struct Release {
   static constexpr MsgType kType = MsgType::release;
   std::string run;
-  static constexpr auto fields() { return std::tuple{field("run", &Release::run)}; }
+  std::optional<std::string> outcome;  // "succeeded" | "failed" | "stopped"; none: not known
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Release::run), field("outcome", &Release::outcome)};
+  }
 };
 
 // driver -> head, every heartbeat interval: the run's driver is alive.
