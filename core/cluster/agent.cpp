@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "core/cluster/head_link.hpp"
+#include "core/job/digest.hpp"
 #include "core/job/resources.hpp"
 #include "core/job/values.hpp"
 #include "core/runtime/spawner.hpp"
@@ -32,12 +33,6 @@ std::int64_t unix_now() {
       .count();
 }
 
-std::string hex(const unsigned char* d, std::size_t n) {
-  std::string out;
-  for (std::size_t i = 0; i < n; ++i) out += fmt::format("{:02x}", d[i]);
-  return out;
-}
-
 // One run's workers on this node.
 struct Job {
   std::string run, job, owner;
@@ -51,28 +46,6 @@ struct Job {
 };
 
 }  // namespace
-
-std::string bytes_sha256(const void* data, std::size_t size) {
-  unsigned char out[crypto_hash_sha256_BYTES];
-  crypto_hash_sha256(out, static_cast<const unsigned char*>(data), size);
-  return hex(out, sizeof out);
-}
-
-std::string file_sha256(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot read {}", file.string()));
-  crypto_hash_sha256_state st;
-  crypto_hash_sha256_init(&st);
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    crypto_hash_sha256_update(&st, reinterpret_cast<const unsigned char*>(buf.data()),
-                              static_cast<unsigned long long>(in.gcount()));
-  }
-  unsigned char out[crypto_hash_sha256_BYTES];
-  crypto_hash_sha256_final(&st, out);
-  return hex(out, sizeof out);
-}
 
 std::map<std::string, std::string> parse_labels(const std::string& text, const std::string& flag) {
   std::map<std::string, std::string> out;
@@ -168,7 +141,7 @@ struct Agent::State {
     std::lock_guard lock(mu);
     auto it = jobs.find(run);
     if (it == jobs.end()) return;
-    if (bytes_sha256(bytes.data(), bytes.nbytes()) != sha) {
+    if (sha256_hex(bytes.data(), bytes.nbytes()) != sha) {
       return fail_launch(run, fmt::format("the plugin's bytes do not match sha256 {}", sha));
     }
     std::error_code ec;
@@ -198,7 +171,7 @@ struct Agent::State {
     const auto plugin = cached(sha);
     // Verified before any worker loads it: a cache file changed on disk is not run.
     try {
-      if (file_sha256(plugin) != sha) {
+      if (sha256_file(plugin) != sha) {
         std::error_code ec;
         std::filesystem::remove(plugin, ec);
         return fail_launch(j.run, fmt::format("the cached plugin {} does not match its sha256; "

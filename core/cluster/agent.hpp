@@ -50,8 +50,4 @@ class Agent {
 // "k=v,k2=v2" -> {k: v, k2: v2}; throws ConfigError naming `flag` for a malformed entry.
 std::map<std::string, std::string> parse_labels(const std::string& text, const std::string& flag);
 
-// The sha256 of a file's bytes (hex); throws Error when it cannot be read.
-std::string file_sha256(const std::filesystem::path& file);
-std::string bytes_sha256(const void* data, std::size_t size);
-
 }  // namespace twinkle::core::cluster

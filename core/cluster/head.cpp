@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -76,6 +77,22 @@ struct Run {
   // The CPU a submitted job's driver takes on the head's own node, while the job runs.
   bool driver_cpu = false;
 };
+
+// What `slots` take of each node, by node id: a CPU per worker and the workers' GPUs.
+std::vector<Bundle> bundles_of(const std::vector<std::vector<Slot>>& slots) {
+  std::map<std::string, Bundle> per_node;
+  for (const auto& group : slots) {
+    for (const auto& sl : group) {
+      Bundle& bu = per_node[sl.node];
+      bu.node = sl.node;
+      bu.cpus += 1;
+      bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
+    }
+  }
+  std::vector<Bundle> out;
+  for (auto& [id, bu] : per_node) out.push_back(std::move(bu));
+  return out;
+}
 
 // How long a hold waits for its job's driver to reserve.
 constexpr auto kHoldLimit = std::chrono::seconds(120);
@@ -280,19 +297,15 @@ struct Head::State {
     }
     proto::Reservation r;
     r.ok = true;
-    std::map<std::string, Bundle> per_node;
+    std::set<std::string> listed;
     for (const auto& g : *slots) {
       std::vector<proto::SlotEntry> list;
       for (const auto& sl : g) {
         list.push_back(proto::SlotEntry{sl.node, sl.gpus});
-        Bundle& bu = per_node[sl.node];
-        if (bu.node.empty()) {
+        if (listed.insert(sl.node).second) {
           const Node& n = nodes.at(sl.node);
           r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
         }
-        bu.node = sl.node;
-        bu.cpus += 1;
-        bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
       }
       r.groups.push_back(std::move(list));
     }
@@ -304,10 +317,9 @@ struct Head::State {
       x.driver = from;
       x.since = unix_now();
       x.last_lease = Clock::now();
-      x.bundles.clear();
-      for (auto& [id, bu] : per_node) x.bundles.push_back(bu);
+      x.bundles = bundles_of(*slots);
       std::vector<std::string> used;
-      for (const auto& [id, bu] : per_node) used.push_back(id);
+      for (const auto& bu : x.bundles) used.push_back(bu.node);
       log(fmt::format("reserved for run {} (job {}, owner {}): {}", run, x.job, x.owner,
                       fmt::join(used, ", ")));
       if (jobs) {
@@ -325,7 +337,7 @@ struct Head::State {
         // Without keys the user is the one the driver names (its OS user, before "@host").
         jobs->reserved(run, job_id, b.job,
                        user.empty() ? b.owner.substr(0, b.owner.find('@')) : user, places, gpus,
-                       cpus, static_cast<int>(per_node.size()));
+                       cpus, static_cast<int>(x.bundles.size()));
       }
     }
     reply(std::move(r));
@@ -447,16 +459,7 @@ struct Head::State {
     x.hold_job = job;
     x.since = unix_now();
     x.last_lease = Clock::now();
-    std::map<std::string, Bundle> per_node;
-    for (const auto& grp : *slots) {
-      for (const auto& sl : grp) {
-        Bundle& bu = per_node[sl.node];
-        bu.node = sl.node;
-        bu.cpus += 1;
-        bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
-      }
-    }
-    for (auto& [id, bu] : per_node) x.bundles.push_back(bu);
+    x.bundles = bundles_of(*slots);
     return std::nullopt;
   }
 

@@ -20,6 +20,7 @@
 
 #include "core/cluster/agent.hpp"
 #include "core/cluster/head_link.hpp"
+#include "core/job/digest.hpp"
 #include "core/job/values.hpp"
 #include "core/jobs/demand.hpp"
 #include "core/runtime/log_dir.hpp"
@@ -214,7 +215,7 @@ class ClusterLauncher : public Launcher {
       }
     }
     for (const auto& n : placement.nodes) nodes_.push_back(n.id);
-    sha_ = file_sha256(launch_.plugin);
+    sha_ = sha256_file(launch_.plugin);
     if (launch_.log_dir) {
       // Every worker's file from the start, as in local mode: an unwritable one stops the run
       // before a worker starts.

@@ -3,7 +3,6 @@
 #include <archive.h>
 #include <archive_entry.h>
 #include <fnmatch.h>
-#include <openssl/evp.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "core/job/digest.hpp"
 #include "core/job/resources.hpp"
 #include "twinkle/errors.hpp"
 
@@ -73,33 +73,6 @@ bool escapes(const fs::path& rel) {
 using ArchivePtr = std::unique_ptr<archive, int (*)(archive*)>;
 
 }  // namespace
-
-std::string sha256_hex(const std::uint8_t* data, std::size_t size) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_Digest(data, size, md, &n, EVP_sha256(), nullptr);
-  std::string out;
-  for (unsigned int i = 0; i < n; ++i) out += fmt::format("{:02x}", md[i]);
-  return out;
-}
-
-std::string sha256_file(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot read it", file.string()));
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<std::size_t>(in.gcount()));
-  }
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_DigestFinal_ex(ctx.get(), md, &n);
-  std::string out;
-  for (unsigned int i = 0; i < n; ++i) out += fmt::format("{:02x}", md[i]);
-  return out;
-}
 
 PackedDir pack_dir(const fs::path& dir, std::uint64_t limit) {
   std::error_code ec;

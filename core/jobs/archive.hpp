@@ -28,8 +28,4 @@ PackedDir pack_dir(const std::filesystem::path& dir, std::uint64_t limit);
 // paths, "..", or links that lead out of `into`; throws Error naming the entry.
 void unpack(const std::filesystem::path& archive, const std::filesystem::path& into);
 
-// The sha256 of a file or of bytes, in hex.
-std::string sha256_file(const std::filesystem::path& file);
-std::string sha256_hex(const std::uint8_t* data, std::size_t size);
-
 }  // namespace twinkle::core::jobs

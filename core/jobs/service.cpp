@@ -20,6 +20,7 @@ extern char** environ;
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "core/job/digest.hpp"
 #include "core/job/job.hpp"
 #include "core/jobs/archive.hpp"
 #include "core/jobs/demand.hpp"
@@ -63,6 +64,16 @@ struct LineFilter {
     return !grep || std::regex_search(line, *grep);
   }
 };
+
+// Calls `f` with each complete line of `bytes` (without its newline); returns how many bytes
+// those lines took.
+template <class F>
+std::size_t each_line(const std::string& bytes, F&& f) {
+  std::size_t used = 0;
+  for (std::size_t nl; (nl = bytes.find('\n', used)) != std::string::npos; used = nl + 1)
+    f(bytes.substr(used, nl - used));
+  return used;
+}
 
 proto::JobEntry to_entry(const JobRecord& j) {
   proto::JobEntry e;
@@ -119,9 +130,7 @@ struct JobService::State {
   // An upload in progress is the sender's: two clients sending the same folder at once each
   // write their own part file.
   static std::string upload_key(const std::string& from, const std::string& sha) {
-    return sha + "." +
-           sha256_hex(reinterpret_cast<const std::uint8_t*>(from.data()), from.size())
-               .substr(0, 16);
+    return sha + "." + sha256_hex(from.data(), from.size()).substr(0, 16);
   }
 
   proto::UploadState on_check(const std::string& from, const proto::UploadCheck& c) {
@@ -300,14 +309,12 @@ struct JobService::State {
     std::int64_t end = read_log(dir, 0, 0).end;
     const auto piece = read_log(dir, std::max<std::int64_t>(0, end - 16384), 16384);
     std::deque<std::string> lines;
-    std::size_t at = 0;
-    while (at < piece.bytes.size()) {
-      auto nl = piece.bytes.find('\n', at);
-      if (nl == std::string::npos) nl = piece.bytes.size();
-      lines.push_back(piece.bytes.substr(at, nl - at));
+    auto keep = [&](std::string line) {
+      lines.push_back(std::move(line));
       if (lines.size() > kSummaryLines) lines.pop_front();
-      at = nl + 1;
-    }
+    };
+    const std::size_t used = each_line(piece.bytes, keep);
+    if (used < piece.bytes.size()) keep(piece.bytes.substr(used));  // the last, unfinished one
     return {lines.begin(), lines.end()};
   }
 
@@ -382,14 +389,11 @@ struct JobService::State {
         auto piece = read_log(dir, at, kLogPiece);
         end = piece.end;
         if (piece.bytes.empty()) break;
-        std::size_t used = 0;
-        for (std::size_t nl; (nl = piece.bytes.find('\n', used)) != std::string::npos;
-             used = nl + 1) {
-          std::string line = piece.bytes.substr(used, nl - used);
-          if (!f.pass(line)) continue;
+        std::size_t used = each_line(piece.bytes, [&](std::string line) {
+          if (!f.pass(line)) return;
           keep.push_back(std::move(line));
           if (keep.size() > static_cast<std::size_t>(q.tail)) keep.pop_front();
-        }
+        });
         if (used == 0) used = piece.bytes.size();  // a line longer than a piece
         at = piece.offset + static_cast<std::int64_t>(used);
       }
@@ -399,11 +403,9 @@ struct JobService::State {
       return c;
     }
     auto piece = read_log(dir, q.offset, kLogPiece);
-    std::size_t used = 0;
-    for (std::size_t nl; (nl = piece.bytes.find('\n', used)) != std::string::npos; used = nl + 1) {
-      std::string line = piece.bytes.substr(used, nl - used);
+    std::size_t used = each_line(piece.bytes, [&](const std::string& line) {
       if (f.pass(line)) c.text += line + "\n";
-    }
+    });
     // A last line without its newline waits for the rest, unless nothing more will come.
     if (used < piece.bytes.size() && (done || piece.bytes.size() >= kLogPiece)) {
       std::string line = piece.bytes.substr(used);

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/job/digest.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core::checkpoint {
@@ -31,12 +32,6 @@ constexpr char kMagic[8] = {'T', 'W', 'K', 'P', 'A', 'R', 'T', '1'};
 constexpr std::size_t kDataAlignment = 64;  // tensor payloads start at multiples of this
 constexpr std::int32_t kMaxDims = 64;
 constexpr std::uint32_t kMaxName = 4096;
-
-std::string hex(const unsigned char* d, std::size_t n) {
-  std::string out;
-  for (std::size_t i = 0; i < n; ++i) out += fmt::format("{:02x}", d[i]);
-  return out;
-}
 
 std::string errno_text() { return std::strerror(errno); }
 

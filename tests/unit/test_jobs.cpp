@@ -8,6 +8,7 @@
 #include <fstream>
 #include <set>
 
+#include "core/job/digest.hpp"
 #include "core/jobs/archive.hpp"
 #include "core/jobs/store.hpp"
 #include "core/jobs/supervisor.hpp"
@@ -143,7 +144,7 @@ TEST_CASE("a working directory packs to the same bytes, without what .twinkleign
   const auto b = pack_dir(dir, 1 << 20);
   CHECK(a.sha256 == b.sha256);
   CHECK(a.bytes == b.bytes);
-  CHECK(a.sha256 == sha256_hex(a.bytes.data(), a.bytes.size()));
+  CHECK(a.sha256 == core::sha256_hex(a.bytes.data(), a.bytes.size()));
   const std::set<std::string> ignored(a.ignored.begin(), a.ignored.end());
   CHECK(ignored == std::set<std::string>{"checkpoints/", "data/x.tmp", "notes.log", "top"});
 
