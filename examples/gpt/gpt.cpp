@@ -106,11 +106,24 @@ std::string fixed(double x, int digits) {
 
 // The trainer (mesh dp): one replica of the model and its optimizer per rank.
 struct Trainer {
-  // args: the model's shape, the token ids (uint8), the learning rate, the seed.
-  Trainer(Context&, const Value& args)
+  // args: the model's shape, the token ids (uint8), the learning rate, the seed, and the global
+  // batch sizes of a step and of the validation.
+  Trainer(Context& ctx, const Value& args)
       : config_(config_of(args[0])),
         ids_(tt::view(args[1].as<Tensor>()).to(at::kLong)),
         model_(nullptr) {
+    // Equal slices: the mean of the ranks' losses is then the loss of the whole batch, the same
+    // for any number of trainers.
+    const int dp = ctx.size_of("dp");
+    for (const auto& [name, n] : {std::pair{"batch", args[4].as<std::int64_t>()},
+                                  std::pair{"eval_batch", args[5].as<std::int64_t>()}}) {
+      if (n % dp != 0) {
+        throw std::runtime_error(
+            "args." + std::string(name) + " = " + std::to_string(n) +
+            " does not split evenly over the trainer's dp = " + std::to_string(dp) +
+            "; make it a multiple of " + std::to_string(dp));
+      }
+    }
     // The same seed on every rank: the replicas start equal.
     torch::manual_seed(static_cast<std::uint64_t>(args[3].as<std::int64_t>()));
     model_ = gpt::Gpt(config_);
@@ -133,17 +146,16 @@ struct Trainer {
     for (auto& p : model_->parameters()) grads.push_back(p.grad().view(-1));
     at::Tensor flat = at::cat(grads);
     tt::all_reduce(ctx.comm("dp"), flat, twinkle::ReduceOp::mean);
-    std::int64_t at = 0;
+    std::int64_t offset = 0;
     for (auto& p : model_->parameters()) {
-      p.grad().copy_(flat.slice(0, at, at + p.numel()).view_as(p));
-      at += p.numel();
+      p.grad().copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
+      offset += p.numel();
     }
     const double comm = seconds_since(start);
 
     start = std::chrono::steady_clock::now();
     optimizer_->step();
     compute += seconds_since(start);
-    ++steps_;
     return Value::map({{"loss", loss.item<double>()}, {"compute_s", compute}, {"comm_s", comm}});
   }
 
@@ -177,16 +189,13 @@ struct Trainer {
     return fingerprint(torch::nn::utils::parameters_to_vector(model_->parameters()));
   }
 
-  std::int64_t steps_done(Context&) { return steps_; }
-
   // The model's and the optimizer's state, as torch serialises them.
   Value save(Context&) {
     std::ostringstream model, optimizer;
     torch::save(model_, model);
     torch::save(*optimizer_, optimizer);
     auto bytes = [](const std::string& s) { return twinkle::Bytes{{s.begin(), s.end()}}; };
-    return Value::map(
-        {{"steps", steps_}, {"model", bytes(model.str())}, {"optimizer", bytes(optimizer.str())}});
+    return Value::map({{"model", bytes(model.str())}, {"optimizer", bytes(optimizer.str())}});
   }
   void load(Context&, const Value& state) {
     auto stream = [](const Value& v) {
@@ -197,14 +206,12 @@ struct Trainer {
     torch::load(model_, model);
     auto optimizer = stream(state["optimizer"]);
     torch::load(*optimizer_, optimizer);
-    steps_ = state["steps"].as<std::int64_t>();
   }
 
   gpt::Config config_;
   at::Tensor ids_;
   gpt::Gpt model_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
-  std::int64_t steps_ = 0;
 };
 TWINKLE_CLASS(Trainer, twinkle::execute::all);
 TWINKLE_STATE(Trainer, save, load);
@@ -213,7 +220,6 @@ TWINKLE_METHOD(Trainer, evaluate, twinkle::dispatch::slice_dp, twinkle::collect:
 TWINKLE_METHOD(Trainer, push, twinkle::dispatch::all, twinkle::collect::first,
                twinkle::execute::first);
 TWINKLE_METHOD(Trainer, weights, twinkle::dispatch::all, twinkle::collect::none);
-TWINKLE_METHOD(Trainer, steps_done, twinkle::dispatch::all, twinkle::collect::first);
 
 // The sampler: the same model, with the weights it last received.
 struct Sampler {
@@ -240,10 +246,10 @@ struct Sampler {
                                                         static_cast<std::uint64_t>(ctx.rank()));
     std::vector<std::int64_t> ids;
     for (char c : prompt) {
-      const auto at = alphabet_.find(c);
-      if (at == std::string::npos)
+      const auto index = alphabet_.find(c);
+      if (index == std::string::npos)
         throw std::runtime_error(std::string("the prompt's '") + c + "' is not in the text");
-      ids.push_back(static_cast<std::int64_t>(at));
+      ids.push_back(static_cast<std::int64_t>(index));
     }
     std::string out;
     for (std::int64_t i = 0; i < chars; ++i) {
@@ -279,6 +285,11 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
   const std::int64_t eval_batch = args["eval_batch"].as<std::int64_t>();
   const std::int64_t sample_chars = args["sample_chars"].as<std::int64_t>();
   const double target = args["target_val_loss"].as<double>();
+  if (eval_every <= 0 || sync_every <= 0 || sync_every % eval_every != 0) {
+    throw std::runtime_error("args.sync_every (" + std::to_string(sync_every) +
+                             ") must be a positive multiple of args.eval_every (" +
+                             std::to_string(eval_every) + "): the sampler syncs at evaluations");
+  }
 
   // The text as token ids: its characters, numbered in byte order.
   const std::string text = read_gzip(d.job_path(args["data"].as<std::string>()));
@@ -316,7 +327,8 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
                             {"width", args["width"]},
                             {"heads", args["heads"]},
                             {"layers", args["layers"]}});
-  auto trainer = d.create<Trainer>("trainer", model, ids, args["lr"].as<double>(), seed);
+  auto trainer =
+      d.create<Trainer>("trainer", model, ids, args["lr"].as<double>(), seed, batch, eval_batch);
   auto sampler = d.create<Sampler>("sampler", model, alphabet);
   d.communicator("weights", {{"trainer", {0}}, {"sampler"}});
   d.log("gpt: {} characters ({} distinct), {} for training, {} for validation", n_all,
@@ -349,21 +361,22 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
     return want;
   };
   const std::string prompt = "ROMEO:\n";
-  auto show = [&](twinkle::LazyCollect& sample, int at) {
+  auto show = [&](twinkle::LazyCollect& sample, int after) {
     const std::string s = per_worker(sample.get())[0].as<std::string>();
-    d.log("sample after step {}:\n{}{}", at, prompt, s);
+    d.log("sample after step {}:\n{}{}", after, prompt, s);
   };
 
   int step = 0;
+  double val = 0;  // the newest validation loss
   if (auto r = d.resumed()) {
     step = static_cast<int>(r->step);
-    d.log("resumed after step {} (validation loss {})", step,
-          fixed(r->meta["val"].as<double>(), 4));
+    val = r->meta["val"].as<double>();
+    d.log("resumed after step {} (validation loss {})", step, fixed(val, 4));
   }
   std::string weights = sync();
   std::optional<twinkle::LazyCollect> sample;
   int sample_step = step;
-  double val = 0, compute = 0, comm = 0, wall = 0;  // seconds, over the steps of this run
+  double compute = 0, comm = 0, wall = 0;  // seconds, over the steps of this run
   const auto start = std::chrono::steady_clock::now();
   const int first = step;
   while (step < steps) {

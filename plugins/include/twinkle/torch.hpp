@@ -11,13 +11,17 @@
 // - view(t) aliases t's memory (a dispatched argument's shared-memory segment, a received
 //   result's buffer): writes through either are seen by the other. The view keeps that memory
 //   mapped for as long as it (or any tensor sharing its storage) lives, even after t is gone.
+//   Treat a view of a method's argument as read-only (clone() it to write): every worker that
+//   received the same argument may map the same segment, and a tensor restored from a checkpoint
+//   is a read-only mapping of the file.
 // - from(a) aliases a's memory when a is contiguous and on the CPU: the twinkle::Tensor keeps a's
 //   storage alive. Otherwise (a CUDA tensor, a transposed or strided view) it COPIES into a new
 //   contiguous CPU buffer; is_alias() says which happened. A tensor that requires grad is detached
 //   first (its values, not its graph, cross to other workers).
-// - The collectives work in place on the tensor's own memory when it is contiguous (host memory
-//   for cpu groups, device memory for cuda groups); a non-contiguous tensor goes through a
-//   contiguous copy that is written back.
+// - The collectives work in place on the tensor's own memory when it is contiguous; a
+//   non-contiguous tensor goes through a contiguous copy that is written back. The tensor must
+//   live where the group's collectives do: on the CPU for cpu groups, on the GPU for cuda groups
+//   (NCCL; not tested here without a GPU).
 //
 // dtypes map both ways: float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool.
 // Any other (complex, int16, quantised) is a twinkle::ValueError that names it.
@@ -108,6 +112,9 @@ void in_place(const at::Tensor& a, const char* what, Op op) {
   const DType d = twinkle_dtype(a.scalar_type());
   if (a.is_contiguous()) {
     op(a.data_ptr(), static_cast<std::size_t>(a.numel()), d);
+    // Written behind torch's back: autograd learns of it as of any in-place op.
+    auto* impl = a.unsafeGetTensorImpl();
+    if (impl->version_counter().enabled()) impl->bump_version();
     return;
   }
   at::Tensor c = a.contiguous();
