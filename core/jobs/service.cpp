@@ -39,6 +39,10 @@ constexpr std::size_t kLogPiece = 1 << 20;  // bytes of log per answer
 constexpr int kSummaryLines = 20;
 // After a head restart, an interactive run that no agent reports within this is gone.
 constexpr auto kAdoptionGrace = std::chrono::seconds(10);
+// An archive no job uses, or a piece of an upload that stopped, is removed once it is this old: a
+// client that died between its upload and its submit (or mid-upload) leaves nothing for good.
+constexpr auto kUploadGrace = std::chrono::hours(1);
+constexpr auto kSweepEvery = std::chrono::minutes(10);
 
 std::int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(
@@ -111,6 +115,7 @@ struct JobService::State {
   std::unique_ptr<Store> store;
   std::map<std::string, std::int64_t> interactive;  // run -> job id
   Clock::time_point started = Clock::now();
+  Clock::time_point swept = Clock::now();
   // Uploads in progress: upload_key (the sha256 and the sender) -> bytes so far.
   std::map<std::string, std::int64_t> uploading;
 
@@ -148,7 +153,10 @@ struct JobService::State {
     }
     std::error_code ec;
     st.have = fs::exists(upload(c.sha256), ec);
-    if (!st.have) {
+    if (st.have) {
+      // Fresh again: the sweep leaves it to the submit that follows.
+      fs::last_write_time(upload(c.sha256), fs::file_time_type::clock::now(), ec);
+    } else {
       const std::string key = upload_key(from, c.sha256);
       fs::remove(o.state_dir / "uploads" / (key + ".part"), ec);
       uploading[key] = 0;
@@ -495,6 +503,26 @@ struct JobService::State {
     }
   }
 
+  // Removes the archives no job uses and the pieces of stopped uploads, once kUploadGrace old.
+  void sweep_uploads() {
+    std::error_code ec;
+    const auto now = fs::file_time_type::clock::now();
+    for (const auto& e : fs::directory_iterator(o.state_dir / "uploads", ec)) {
+      std::error_code age_ec;
+      const auto written = e.last_write_time(age_ec);
+      if (age_ec || now - written < kUploadGrace) continue;
+      const std::string stem = e.path().stem().string();
+      std::error_code rm;
+      if (e.path().extension() == ".part") {
+        uploading.erase(stem);
+        fs::remove(e.path(), rm);
+      } else if (e.path().extension() == ".tar" && !store->uses(stem)) {
+        fs::remove(e.path(), rm);
+        log(fmt::format("removed {}: no job was submitted with it", e.path().string()));
+      }
+    }
+  }
+
   // A running submitted job: its supervisor's files say how it goes.
   void watch(JobRecord& j) {
     const fs::path dir = job_dir(j.id);
@@ -691,6 +719,7 @@ JobService::JobService(ServiceOptions options, ClusterView cluster)
   for (const auto& e : fs::directory_iterator(s_->o.state_dir / "uploads", ec)) {
     if (e.path().extension() == ".part") fs::remove(e.path(), ec);
   }
+  s_->sweep_uploads();
   int running = 0;
   for (auto& j : s_->store->in_state("RUNNING")) {
     ++running;
@@ -766,6 +795,10 @@ void JobService::tick() {
       }
     }
     s.schedule_queue();
+    if (Clock::now() - s.swept >= kSweepEvery) {
+      s.swept = Clock::now();
+      s.sweep_uploads();
+    }
   } catch (const std::exception& e) {
     s.log(fmt::format("job service: {}", e.what()));
   }

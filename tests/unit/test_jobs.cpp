@@ -10,6 +10,7 @@
 
 #include "core/job/digest.hpp"
 #include "core/jobs/archive.hpp"
+#include "core/jobs/service.hpp"
 #include "core/jobs/store.hpp"
 #include "core/jobs/supervisor.hpp"
 #include "tests/unit/fixtures.hpp"
@@ -271,4 +272,31 @@ TEST_CASE("a process is named by its pid and start time", "[jobs]") {
   CHECK(process_start(getpid()) == self);
   CHECK(process_start(0) == 0);
   CHECK(process_start(1 << 30) == 0);
+}
+
+TEST_CASE("a head removes archives no job was submitted with, once they are an hour old",
+          "[jobs]") {
+  test::TempDir tmp;
+  const fs::path uploads = tmp.path / "uploads";
+  const std::string used(64, 'a'), stale(64, 'b'), fresh(64, 'c');
+  write_file(uploads / (used + ".tar"), "used");
+  write_file(uploads / (stale + ".tar"), "never submitted");
+  write_file(uploads / (fresh + ".tar"), "about to be submitted");
+  write_file(uploads / (stale + ".0123456789abcdef.part"), "a client that died mid-upload");
+  const auto two_hours_ago = fs::file_time_type::clock::now() - std::chrono::hours(2);
+  for (const auto& name : {used + ".tar", stale + ".tar", stale + ".0123456789abcdef.part"})
+    fs::last_write_time(uploads / name, two_hours_ago);
+  {
+    Store store(tmp.path / "jobs.db");
+    auto j = job("digits", "alice", "SUCCEEDED");
+    j.sha256 = used;
+    store.add(j);
+  }
+  ServiceOptions o;
+  o.state_dir = tmp.path;
+  JobService service(o, ClusterView{});
+  CHECK(fs::exists(uploads / (used + ".tar")));   // a job of the history has it
+  CHECK(fs::exists(uploads / (fresh + ".tar")));  // not an hour old
+  CHECK_FALSE(fs::exists(uploads / (stale + ".tar")));
+  CHECK_FALSE(fs::exists(uploads / (stale + ".0123456789abcdef.part")));
 }
