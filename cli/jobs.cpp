@@ -18,9 +18,9 @@
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
 #include "cli/exit_codes.hpp"
-#include "cli/json_value.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/job/job.hpp"
+#include "core/job/json_value.hpp"
 #include "core/job/resources.hpp"
 #include "core/job/topology.hpp"
 #include "core/jobs/archive.hpp"
@@ -32,6 +32,8 @@
 namespace twinkle::cli {
 
 namespace {
+
+using core::to_json;
 
 namespace fs = std::filesystem;
 namespace proto = transport::proto;
@@ -458,6 +460,26 @@ int run_stop(const StopOptions& o) {
   return kExitOk;
 }
 
+// ----- dashboard --------------------------------------------------------------------------------
+
+struct DashboardOptionsCli {
+  ClusterFlags cluster;
+};
+
+// Asks the head for a one-time login link to its dashboard, as this member (its key's name).
+int run_dashboard(const DashboardOptionsCli& o) {
+  Client c(o.cluster);
+  proto::DashboardLink l;
+  l.user = local_user();
+  const auto g = c.ask<proto::DashboardGrant>(l);
+  if (g.error) throw Error(*g.error);
+  fmt::print(
+      "Open this link in a browser on the head's machine (or through `ssh -L`); it logs "
+      "you in once, within a minute:\n{}\n",
+      g.url);
+  return kExitOk;
+}
+
 // --address (the job service's default: this machine's head) and the keys.
 void add_job_flags(CLI::App* sub, ClusterFlags& f) {
   sub->add_option("--address", f.address,
@@ -528,6 +550,12 @@ void setup_jobs(CLI::App& app, Action& action) {
   stop->add_flag("--now", sto->now, "Kill its driver and workers at once");
   add_job_flags(stop, sto->cluster);
   stop->callback([sto, &action] { action = [sto] { return run_stop(*sto); }; });
+
+  auto dash = std::make_shared<DashboardOptionsCli>();
+  auto* dashboard =
+      app.add_subcommand("dashboard", "Log in to the head's web dashboard: prints a one-time link");
+  add_job_flags(dashboard, dash->cluster);
+  dashboard->callback([dash, &action] { action = [dash] { return run_dashboard(*dash); }; });
 
   auto sv = std::make_shared<core::jobs::SuperviseOptions>();
   auto* sup = app.add_subcommand("supervise", "Internal: runs a submitted job's driver");

@@ -57,7 +57,29 @@ struct NodeStartOptions {
   std::string state_dir;
   int keep_jobs = 10000;
   int job_log_mb = 64;
+  std::string dashboard;  // [ADDR:]PORT
 };
+
+// --dashboard [ADDR:]PORT: loopback only (there is no TLS yet); ADDR defaults to 127.0.0.1.
+std::pair<std::string, int> dashboard_address(const std::string& text) {
+  const auto colon = text.rfind(':');
+  std::string host = colon == std::string::npos ? "127.0.0.1" : text.substr(0, colon);
+  const std::string port = colon == std::string::npos ? text : text.substr(colon + 1);
+  if (host == "localhost") host = "127.0.0.1";
+  char* end = nullptr;
+  const long p = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || p < 0 || p > 65535) {
+    throw ConfigError(fmt::format(
+        "--dashboard {}: not [ADDR:]PORT (e.g. --dashboard 8265, or 0 for any free port)", text));
+  }
+  if (host.rfind("127.", 0) != 0) {
+    throw ConfigError(fmt::format(
+        "--dashboard {}: the dashboard serves loopback only (127.0.0.1), since this twinkle has "
+        "no TLS for it yet; reach it from elsewhere through SSH: ssh -L {}:127.0.0.1:{} HEAD",
+        text, p == 0 ? 8265 : p, p == 0 ? 8265 : p));
+  }
+  return {host, static_cast<int>(p)};
+}
 
 std::string default_pid_file() { return (core::cluster::twinkle_home() / "node.pid").string(); }
 
@@ -188,6 +210,11 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
+      if (!o.dashboard.empty()) {
+        std::tie(ho.dashboard_host, ho.dashboard_port) = dashboard_address(o.dashboard);
+        if (const char* t = std::getenv("TWINKLE_TEST_DASHBOARD_LINK_S"))
+          ho.dashboard_link_s = std::atof(t);
+      }
       if (!o.no_agent) {
         // The head's own agent, by the id it will register with (the host name by default).
         if (o.node_id.empty()) o.node_id = core::discover_local().hostname;
@@ -201,6 +228,10 @@ int run_node_start(NodeStartOptions o) {
                                           : "no keys: plaintext",
                                    o.no_agent ? "no agent on this machine (--no-agent)"
                                               : "this machine is a node too"));
+      if (!head->dashboard_url().empty()) {
+        log_line("head", fmt::format("dashboard on {}/ (log in with `twinkle dashboard`)",
+                                     head->dashboard_url()));
+      }
       head_thread = std::thread([&] { head->run(stop); });
       const std::string port = head->endpoint().substr(head->endpoint().rfind(':') + 1);
       address = fmt::format("tcp://{}:{}", is_wildcard(o.bind) ? "127.0.0.1" : o.bind, port);
@@ -371,6 +402,9 @@ void setup_node(CLI::App& app, Action& action) {
       ->add_option("--job-log-mb", o->job_log_mb,
                    "With --head: MiB of log kept per submitted job, rotated (default 64)")
       ->check(CLI::Range(1, 1 << 20));
+  start->add_option("--dashboard", o->dashboard,
+                    "With --head: serve the web dashboard on [127.0.0.1:]PORT (loopback only; "
+                    "log in with `twinkle dashboard`)");
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");

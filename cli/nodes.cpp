@@ -10,7 +10,7 @@
 
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
-#include "cli/json_value.hpp"
+#include "core/job/json_value.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/slurm.hpp"
 #include "core/job/resources.hpp"
@@ -19,6 +19,8 @@
 namespace twinkle::cli {
 
 namespace {
+
+using core::to_json;
 
 struct NodesOptions {
   bool json = false;

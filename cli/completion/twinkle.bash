@@ -26,11 +26,12 @@ _twinkle_flags() {
       echo "--follow --rank --driver --grep --tail --address --key --head-key --insecure --help"
       ;;
     stop) echo "--now --address --key --head-key --insecure --help" ;;
+    dashboard) echo "--address --key --head-key --insecure --help" ;;
     keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
-        "--cache-dir --state-dir --keep-jobs --job-log-mb --key --authorized-keys --head-key" \
-        "--insecure --daemon --pid-file --log-file --help"
+        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --key --authorized-keys" \
+        "--head-key --insecure --daemon --pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;
     node) echo "--help" ;;
@@ -97,7 +98,7 @@ _twinkle() {
   fi
   case $cmd in
     "")
-      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop keygen" \
+      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop dashboard keygen" \
         -- "$cur"))
       ;;
     node) COMPREPLY=($(compgen -W "start stop" -- "$cur")) ;;

@@ -1,11 +1,16 @@
 #include "core/cluster/head.hpp"
 
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <deque>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <vector>
@@ -15,12 +20,14 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "core/cluster/dashboard.hpp"
 #include "core/cluster/scheduler.hpp"
 #include "core/job/values.hpp"
 #include "core/jobs/service.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
+#include "twinkle/fd.hpp"
 
 namespace twinkle::core::cluster {
 
@@ -36,6 +43,8 @@ constexpr auto kSilenceLimit = std::chrono::milliseconds(3000);
 constexpr auto kTick = std::chrono::milliseconds(250);
 // The job service looks at its drivers and its queue this often: a job ends or starts within it.
 constexpr auto kJobTick = std::chrono::milliseconds(50);
+// How long a dashboard request waits for the head's thread.
+constexpr auto kAskTimeout = std::chrono::seconds(10);
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -132,6 +141,18 @@ struct Head::State {
   std::map<std::string, Run> runs;
   transport::DropLog drops{"the head's socket", [this](const std::string& line) { log(line); }};
   std::unique_ptr<jobs::JobService> jobs;
+
+  // What the dashboard's threads ask of this one (ask()): queued, and `wake` (an eventfd) rings.
+  struct Ask {
+    jobs::Caller caller;
+    Message m;
+    std::promise<std::optional<Message>> answer;
+  };
+  std::mutex asks_mu;
+  std::deque<std::shared_ptr<Ask>> asks;
+  bool closing = false;  // under asks_mu: the head stops, asks get no answer
+  Fd wake;
+  std::unique_ptr<Dashboard> dashboard;
 
   void log(const std::string& line) const {
     if (options.log) options.log(line);
@@ -508,6 +529,75 @@ struct Head::State {
     }
   }
 
+  // On a dashboard thread: runs `m` on the head's thread as `caller` and waits for the answer.
+  std::optional<Message> ask(const jobs::Caller& caller, Message m) {
+    auto a = std::make_shared<Ask>();
+    a->caller = caller;
+    a->m = std::move(m);
+    auto answer = a->answer.get_future();
+    {
+      std::lock_guard<std::mutex> lock(asks_mu);
+      if (closing) return std::nullopt;
+      asks.push_back(a);
+    }
+    const std::uint64_t one = 1;
+    (void)!::write(wake.get(), &one, sizeof one);
+    if (answer.wait_for(kAskTimeout) != std::future_status::ready) return std::nullopt;
+    return answer.get();
+  }
+
+  // On the head's thread: answers what the dashboard asked.
+  void answer_asks() {
+    std::uint64_t n = 0;
+    (void)!::read(wake.get(), &n, sizeof n);
+    std::deque<std::shared_ptr<Ask>> now;
+    {
+      std::lock_guard<std::mutex> lock(asks_mu);
+      now.swap(asks);
+    }
+    for (auto& a : now) {
+      std::optional<Message> answer;
+      try {
+        if (a->m.get<proto::NodesQuery>()) {
+          answer = Message{0, nodes_info()};
+        } else if (jobs && (a->m.get<proto::JobsQuery>() || a->m.get<proto::LogsQuery>() ||
+                            a->m.get<proto::JobStop>())) {
+          answer = jobs->handle(a->caller, 0, a->m);
+        }
+      } catch (const std::exception& e) {
+        log(fmt::format("dashboard: {}", e.what()));
+      }
+      a->answer.set_value(std::move(answer));
+    }
+  }
+
+  // The head stops: every ask in the queue, and every later one, gets no answer.
+  void close_asks() {
+    std::deque<std::shared_ptr<Ask>> left;
+    {
+      std::lock_guard<std::mutex> lock(asks_mu);
+      closing = true;
+      left.swap(asks);
+    }
+    for (auto& a : left) a->answer.set_value(std::nullopt);
+  }
+
+  void on_dashboard_link(const std::string& from, const std::string& user, std::uint64_t id,
+                         const proto::DashboardLink& b) {
+    proto::DashboardGrant g;
+    if (!dashboard) {
+      g.error =
+          "this head serves no dashboard: start it with `twinkle node start --head --dashboard "
+          "PORT`";
+    } else {
+      // The key's name; on a cluster without keys the client's own word.
+      const std::string who = user.empty() ? b.user : user;
+      g.url = dashboard->grant(who, options.security.admins.count(who) > 0);
+      log(fmt::format("dashboard: a login link for {}", who));
+    }
+    send(from, Message{id, g});
+  }
+
   void handle(const std::string& from, const std::string& user, Message& m) {
     if (jobs &&
         (m.get<proto::UploadCheck>() || m.get<proto::UploadPart>() || m.get<proto::Submit>() ||
@@ -533,6 +623,8 @@ struct Head::State {
             if (n && n->alive) declare_dead(*n, b.reason);
           } else if constexpr (std::is_same_v<T, proto::NodesQuery>) {
             send(from, Message{m.id, nodes_info()});
+          } else if constexpr (std::is_same_v<T, proto::DashboardLink>) {
+            on_dashboard_link(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Reserve>) {
             on_reserve(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Lease>) {
@@ -639,21 +731,44 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
   }
   s.endpoint = s.router.get(zmq::sockopt::last_endpoint);
   s.start_jobs();
+  s.wake = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s.wake)
+    throw Error(fmt::format("the head cannot make an eventfd: {}", std::strerror(errno)));
+  if (s.options.dashboard_port >= 0) {
+    DashboardOptions d;
+    d.host = s.options.dashboard_host;
+    d.port = s.options.dashboard_port;
+    d.link_s = s.options.dashboard_link_s;
+    d.log = s.options.log;
+    s.dashboard = std::make_unique<Dashboard>(
+        std::move(d), [&s](const jobs::Caller& c, Message m) { return s.ask(c, std::move(m)); });
+  }
 }
 
-Head::~Head() { s_->watch.reset(); }
+Head::~Head() {
+  s_->close_asks();
+  s_->dashboard.reset();
+  s_->watch.reset();
+}
 
 const std::string& Head::endpoint() const { return s_->endpoint; }
+
+std::string Head::dashboard_url() const {
+  return s_->dashboard ? s_->dashboard->url() : std::string();
+}
 
 void Head::run(const std::atomic<bool>& stop) {
   State& s = *s_;
   auto next_tick = Clock::now() + kTick;
   auto next_job_tick = Clock::now() + kJobTick;
   while (!stop) {
-    zmq::pollitem_t item{s.router.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::pollitem_t items[] = {{s.router.handle(), 0, ZMQ_POLLIN, 0},
+                               {nullptr, s.wake.get(), ZMQ_POLLIN, 0}};
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::min(next_tick, s.jobs ? next_job_tick : next_tick) - Clock::now());
-    zmq::poll(&item, 1, std::max(left, std::chrono::milliseconds(0)));
+    zmq::poll(items, 2, std::max(left, std::chrono::milliseconds(0)));
+    if (items[1].revents & ZMQ_POLLIN) s.answer_asks();
+    const zmq::pollitem_t& item = items[0];
     if (Clock::now() >= next_tick) {
       s.tick();
       next_tick = Clock::now() + kTick;

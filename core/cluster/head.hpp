@@ -31,6 +31,11 @@ struct HeadOptions {
   // The node id of this machine's own agent ("" with --no-agent): submitted jobs' drivers run
   // here, and each takes one of its CPUs.
   std::string local_node;
+  // The web dashboard (docs/ARCHITECTURE.md, Dashboard) on dashboard_host:dashboard_port;
+  // dashboard_port < 0: none.
+  std::string dashboard_host = "127.0.0.1";
+  int dashboard_port = -1;
+  double dashboard_link_s = 60;  // how long a login link is good for
 };
 
 class Head {
@@ -43,6 +48,8 @@ class Head {
 
   // The address members connect to (the bound one, with the actual port).
   const std::string& endpoint() const;
+  // The dashboard's address ("http://127.0.0.1:PORT"), "" without one.
+  std::string dashboard_url() const;
   // Serves until `stop` becomes true (checked at least every 250 ms).
   void run(const std::atomic<bool>& stop);
 

@@ -456,6 +456,132 @@ PY
     expect_err "no node of this user runs on this machine"
     ;;
 
+  dashboard_api)
+    # The dashboard's API (issue 23) refuses what a browser of another site, a stranger or another
+    # user might try: no session 401; a foreign Host; a used, forged or expired login link; a
+    # change without the session's CSRF token or from another Origin 403; alice's session cannot
+    # stop bob's job, an admin's can.
+    mkdir -p "$TMP/keys"
+    run 0 "$TWK" keygen --out "$TMP/keys/head" --name the-head
+    for who in node alice bob carol; do run 0 "$TWK" keygen --out "$TMP/keys/$who" --name "$who"; done
+    for who in node alice bob; do cat "$TMP/keys/$who/twinkle.pub"; done >"$TMP/keys/allow"
+    echo "$(cat "$TMP/keys/carol/twinkle.pub") admin" >>"$TMP/keys/allow"
+    start_head --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/allow" --dashboard 0
+    wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
+    WEB=$(grep -o 'dashboard on http://127.0.0.1:[0-9]*' "$TMP/head.log" | tail -1 | sed 's/dashboard on //')
+    as() { echo --key "$TMP/keys/$1/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"; }
+    start_agent n1 --cpus 8 $(as node)
+    # code METHOD PATH [CURL ARGS...]: the HTTP status; the body in $TMP/body.
+    code() {
+      local m=$1 p=$2; shift 2
+      [ "$m" = POST ] && set -- -H "Content-Type: application/json" --data '{}' "$@"
+      curl -s -o "$TMP/body" -w '%{http_code}' -X "$m" "$@" "$WEB$p"
+    }
+    # login USER: a session cookie jar of USER's in $TMP/USER.jar.
+    login() {
+      run 0 "$TWK" dashboard --address "$ADDR" $(as "$1")
+      local link
+      link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+      [ -n "$link" ] || { cat "$TMP/out"; fail "twinkle dashboard printed no link"; }
+      echo "$link" >"$TMP/$1.link"
+      [ "$(curl -s -o /dev/null -w '%{http_code}' -c "$TMP/$1.jar" "$link")" = 302 ] ||
+        fail "$1's login link did not log in"
+      grep -q twinkle_session "$TMP/$1.jar" || fail "no session cookie for $1"
+    }
+    [ "$(code GET /api/v1/session)" = 401 ] || { cat "$TMP/body"; fail "no cookie: not 401"; }
+    grep -q "twinkle dashboard" "$TMP/body" || fail "the 401 does not say how to log in"
+    [ "$(code GET /)" = 200 ] && grep -q '<script src="/app.js"' "$TMP/body" || fail "no page at /"
+    [ "$(code GET / -H "Host: attacker.example:${WEB##*:}")" = 421 ] || fail "a foreign Host was served"
+    login alice
+    grep -qi 'set-cookie' <(curl -s -D - -o /dev/null "$(cat "$TMP/alice.link")") &&
+      fail "a used link logged in again"
+    [ "$(code GET "/login?token=$(cat "$TMP/alice.link" | sed 's/.*token=//')")" = 403 ] ||
+      fail "a used link was not refused"
+    grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
+    [ "$(code GET /login?token=0123456789abcdef)" = 403 ] || fail "a forged link was not refused"
+    [ "$(code GET /api/v1/session -b "$TMP/alice.jar")" = 200 ] || fail "alice's session is refused"
+    python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); sys.exit(0 if s["user"]=="alice" and not s["admin"] and len(s["csrf"])==64 else 1)' "$TMP/body" ||
+      { cat "$TMP/body"; fail "alice's session is not alice's"; }
+    csrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/body")
+    [ "$(code GET /api/v1/cluster -b "$TMP/alice.jar")" = 200 ] && grep -q '"id":"n1"' "$TMP/body" ||
+      { cat "$TMP/body"; fail "the cluster view lacks node n1"; }
+    # bob's running job.
+    fixture_dir h hang
+    MEMBER=($(as bob))
+    id=$(submit_id "$TMP/h/job.toml")
+    wait_state "$id" RUNNING 20
+    [ "$(code GET "/api/v1/jobs" -b "$TMP/alice.jar")" = 200 ] && grep -q "\"id\":$id" "$TMP/body" ||
+      { cat "$TMP/body"; fail "alice does not see bob's job"; }
+    [ "$(code GET "/api/v1/jobs/$id" -b "$TMP/alice.jar")" = 200 ] && grep -q '"user":"bob"' "$TMP/body" ||
+      { cat "$TMP/body"; fail "the job's page is not bob's job"; }
+    origin=(-H "Origin: $WEB")
+    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" "${origin[@]}")" = 403 ] ||
+      fail "a stop without the CSRF token was not refused"
+    grep -q CSRF "$TMP/body" || fail "the refusal does not name the CSRF token"
+    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" -H "X-CSRF-Token: $csrf" -H "Origin: http://attacker.example")" = 403 ] ||
+      fail "a stop from another Origin was not refused"
+    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
+      { cat "$TMP/body"; echo; fail "alice stopped bob's job"; }
+    grep -q "you (alice) may stop only your own jobs" "$TMP/body" || { cat "$TMP/body"; fail "the refusal does not say why"; }
+    [ "$(job_field "$id" state)" = RUNNING ] || fail "alice's refused stop changed the job"
+    login carol
+    [ "$(code GET /api/v1/session -b "$TMP/carol.jar")" = 200 ] || fail "carol's session is refused"
+    ccsrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/body")
+    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/carol.jar" -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
+      fail "carol's session took alice's CSRF token"
+    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/carol.jar" -H "X-CSRF-Token: $ccsrf" "${origin[@]}")" = 200 ] ||
+      { cat "$TMP/body"; fail "the admin could not stop bob's job"; }
+    wait_state "$id" STOPPED 60
+    run 0 "$TWK" job show "$id" --address "$ADDR" $(as bob)
+    expect_out "stopped by carol"
+    [ "$(code GET "/api/v1/jobs/$id/logs?tail=5" -b "$TMP/carol.jar")" = 200 ] && grep -q '"ended":true' "$TMP/body" ||
+      { cat "$TMP/body"; fail "the job's log is not there"; }
+    ;;
+
+  dashboard_expired)
+    # A login link is good for a limited time (60 s; here 0 s): after that it fails, saying why.
+    TWINKLE_TEST_DASHBOARD_LINK_S=0 start_head --dashboard 0
+    wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
+    run 0 "$TWK" dashboard --address "$ADDR"
+    link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+    [ "$(curl -s -o "$TMP/body" -w '%{http_code}' "$link")" = 403 ] || fail "an expired link logged in"
+    grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
+    # A dashboard elsewhere than loopback is refused, with the way to reach one from elsewhere.
+    run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 0.0.0.0:8265 --state-dir "$TMP/s2"
+    expect_err "the dashboard serves loopback only"
+    expect_err "ssh -L 8265:127.0.0.1:8265"
+    ;;
+
+  dashboard_browser)
+    # The dashboard in Debian's chromium, driven by playwright-core (tests/browser/dashboard.mjs):
+    # log in with the link, 3 nodes on the Cluster view, a running job on the Jobs view, a line
+    # its worker prints in the live log within 2 s, Stop now -> STOPPED and its devices free.
+    # Screenshots of every view in the build's meson-logs/dashboard/. 77 without chromium or node.
+    BROWSER="$SRC/tests/browser"
+    { [ -x /usr/bin/chromium ] && command -v node >/dev/null &&
+      [ -d "$BROWSER/node_modules/playwright-core" ]; } || {
+      echo "chromium, node or tests/browser/node_modules (npm ci) is missing: .ci/install-deps --tests"
+      exit 77
+    }
+    SHOTS="$(dirname "$EXAMPLES")/meson-logs/dashboard"  # the build's test output
+    mkdir -p "$SHOTS"
+    start_head --dashboard 0
+    wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
+    for n in n1 n2 n3; do start_agent "$n" --cpus 4; done
+    fixture_dir r relay
+    sed -i "s|^tag = \"t\"|tag = \"t\"\nrelay_file = \"$TMP/relay\"|" "$TMP/r/job.toml"
+    id=$(submit_id "$TMP/r/job.toml")
+    wait_state "$id" RUNNING 30
+    run 0 "$TWK" dashboard --address "$ADDR"
+    link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+    node "$BROWSER/dashboard.mjs" "$link" "$id" "$TMP/relay" "$SHOTS" n1 n2 n3 ||
+      { cat "$TMP/head.log"; fail "the browser test failed"; }
+    wait_state "$id" STOPPED 20
+    for f in cluster jobs job job-stopped cluster-after-stop; do
+      [ -s "$SHOTS/$f.png" ] || fail "no screenshot $f.png"
+    done
+    ;;
+
   *) fail "unknown case $CASE" ;;
 esac
 echo "PASS jobs $CASE"

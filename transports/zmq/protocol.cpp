@@ -60,6 +60,8 @@ const char* to_string(MsgType t) {
     case MsgType::logs_query: return "logs_query";
     case MsgType::logs_chunk: return "logs_chunk";
     case MsgType::job_stop: return "job_stop";
+    case MsgType::dashboard_link: return "dashboard_link";
+    case MsgType::dashboard_grant: return "dashboard_grant";
   }
   return "unknown";
 }

@@ -78,6 +78,9 @@ enum class MsgType : std::uint16_t {
   logs_query = 48,
   logs_chunk = 49,
   job_stop = 50,
+  // The dashboard (docs/ARCHITECTURE.md, Dashboard): a member's login link.
+  dashboard_link = 51,
+  dashboard_grant = 52,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -924,11 +927,29 @@ struct JobStop {
   }
 };
 
+// client -> head: a one-time link that logs the caller in to the head's dashboard.
+struct DashboardLink {
+  static constexpr MsgType kType = MsgType::dashboard_link;
+  std::string user;  // clusters without keys only
+  static constexpr auto fields() { return std::tuple{field("user", &DashboardLink::user)}; }
+};
+
+// head -> client: the link (single use, valid for a minute), or why there is none.
+struct DashboardGrant {
+  static constexpr MsgType kType = MsgType::dashboard_grant;
+  std::string url;
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("url", &DashboardGrant::url), field("error", &DashboardGrant::error)};
+  }
+};
+
 using Cluster = std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery,
                              NodesInfo, Reserve, Reservation, Release, Lease, Launch, Launched,
                              NeedPlugin, PluginBytes, StopJob, Stopped, WorkerExit, Output,
                              NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart, UploadState,
-                             Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop>;
+                             Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
+                             DashboardLink, DashboardGrant>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.

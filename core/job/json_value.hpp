@@ -4,9 +4,10 @@
 
 #include "twinkle/value.hpp"
 
-namespace twinkle::cli {
+namespace twinkle::core {
 
-// A Value as JSON, for the --json output of commands that show what the head sent.
+// A Value as JSON: the --json output of commands that show what the head sent, and the
+// dashboard's API.
 inline nlohmann::json to_json(const Value& v) {
   if (v.is_map()) {
     nlohmann::json j = nlohmann::json::object();
@@ -25,4 +26,4 @@ inline nlohmann::json to_json(const Value& v) {
   return nullptr;
 }
 
-}  // namespace twinkle::cli
+}  // namespace twinkle::core

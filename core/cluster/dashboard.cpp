@@ -1,0 +1,364 @@
+#include "core/cluster/dashboard.hpp"
+
+#include <httplib.h>
+#include <sodium.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/cluster/dashboard_assets.hpp"
+#include "core/job/json_value.hpp"
+#include "twinkle/errors.hpp"
+
+namespace twinkle::core::cluster {
+
+namespace {
+
+namespace proto = transport::proto;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr auto kSessionIdle = std::chrono::hours(12);  // a session unused this long ends
+constexpr const char* kCookie = "twinkle_session";
+constexpr int kPage = 50;  // jobs per page of the list
+constexpr const char* kNotLoggedIn =
+    "not logged in: run `twinkle dashboard` and open the link it prints";
+
+std::string random_hex(std::size_t bytes) {
+  std::vector<unsigned char> b(bytes);
+  randombytes_buf(b.data(), b.size());
+  std::string out;
+  for (unsigned char c : b) out += fmt::format("{:02x}", c);
+  return out;
+}
+
+// Constant-time comparison of secrets of the same length.
+bool same_secret(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && sodium_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+void reply_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_header("Cache-Control", "no-store");
+  res.set_content(body.dump(), "application/json");
+}
+
+void refuse(httplib::Response& res, int status, const std::string& why) {
+  reply_json(res, status, json{{"error", why}});
+}
+
+std::string cookie_value(const httplib::Request& req, const std::string& name) {
+  const std::string all = req.get_header_value("Cookie");
+  std::size_t at = 0;
+  while (at < all.size()) {
+    std::size_t end = all.find(';', at);
+    if (end == std::string::npos) end = all.size();
+    std::string part = all.substr(at, end - at);
+    const auto first = part.find_first_not_of(' ');
+    part = first == std::string::npos ? "" : part.substr(first);
+    if (part.rfind(name + "=", 0) == 0) return part.substr(name.size() + 1);
+    at = end + 1;
+  }
+  return "";
+}
+
+std::optional<std::int64_t> positive(const std::string& text) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || v <= 0) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+struct Dashboard::State {
+  DashboardOptions o;
+  HeadAsk ask;
+  httplib::Server server;
+  std::thread thread;
+  int port = 0;
+
+  struct Login {
+    std::string user;
+    bool admin = false;
+    Clock::time_point until;
+  };
+  struct Session {
+    std::string user;
+    bool admin = false;
+    std::string csrf;
+    Clock::time_point last;
+  };
+  std::mutex mu;  // logins, sessions
+  std::map<std::string, Login> logins;
+  std::map<std::string, Session> sessions;
+
+  void log(const std::string& line) const {
+    if (o.log) o.log(line);
+  }
+
+  // The names this server answers to: a Host header of any other name is refused (a page of
+  // another site that resolves its name to 127.0.0.1 gets nothing: no DNS rebinding).
+  bool known_host(const std::string& host) const {
+    for (const char* name : {"127.0.0.1", "localhost", "[::1]"})
+      if (host == fmt::format("{}:{}", name, port)) return true;
+    return false;
+  }
+
+  // The session of the request's cookie, renewed; nullopt when there is none.
+  std::optional<Session> session_of(const httplib::Request& req) {
+    const std::string id = cookie_value(req, kCookie);
+    if (id.empty()) return std::nullopt;
+    std::lock_guard<std::mutex> lock(mu);
+    auto s = sessions.find(id);
+    if (s == sessions.end()) return std::nullopt;
+    if (Clock::now() - s->second.last > kSessionIdle) {
+      sessions.erase(s);
+      return std::nullopt;
+    }
+    s->second.last = Clock::now();
+    return s->second;
+  }
+
+  // A handler of the API: runs `f` with the request's session, or answers 401.
+  template <class F>
+  httplib::Server::Handler with_session(F f) {
+    return [this, f](const httplib::Request& req, httplib::Response& res) {
+      auto s = session_of(req);
+      if (!s) return refuse(res, 401, kNotLoggedIn);
+      f(*s, req, res);
+    };
+  }
+
+  // Asks the head as the session's user; an error answer (502) when it does not answer.
+  template <class Answer>
+  std::optional<Answer> head(const Session& s, const std::string& from, proto::Cluster body,
+                             httplib::Response& res) {
+    const jobs::Caller caller{s.user, s.admin, from};
+    auto answer = ask(caller, transport::ClusterMessage{0, std::move(body)});
+    if (!answer || !std::holds_alternative<Answer>(answer->body)) {
+      refuse(res, 502, "the head did not answer (is it stopping?)");
+      return std::nullopt;
+    }
+    return std::get<Answer>(std::move(answer->body));
+  }
+
+  void routes() {
+    // Every request: a Host of this server's own names; every API request: a session; every
+    // request that changes something: the session's CSRF token and an Origin of this server.
+    server.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (!known_host(req.get_header_value("Host"))) {
+        refuse(res, 421,
+               fmt::format("Host \"{}\" is not this dashboard's; open it as "
+                           "http://127.0.0.1:{}/",
+                           req.get_header_value("Host"), port));
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (req.path.rfind("/api/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+      auto s = session_of(req);
+      if (!s) {
+        refuse(res, 401, kNotLoggedIn);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (req.method != "GET" && req.method != "HEAD") {
+        const std::string origin = req.get_header_value("Origin");
+        if (origin != "http://" + req.get_header_value("Host")) {
+          refuse(res, 403, fmt::format("Origin \"{}\" may not change anything here", origin));
+          return httplib::Server::HandlerResponse::Handled;
+        }
+        if (!same_secret(req.get_header_value("X-CSRF-Token"), s->csrf)) {
+          refuse(res, 403, "the request lacks this session's CSRF token (X-CSRF-Token)");
+          return httplib::Server::HandlerResponse::Handled;
+        }
+      }
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+
+    server.Get("/login", [this](const httplib::Request& req, httplib::Response& res) {
+      const std::string token = req.get_param_value("token");
+      std::optional<Login> login;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto l = logins.find(token);
+        if (l != logins.end()) {
+          if (Clock::now() <= l->second.until) login = l->second;
+          logins.erase(l);  // used or expired: never again
+        }
+      }
+      if (!login) {
+        res.status = 403;
+        res.set_content(
+            "This login link was used already or has expired (a link works once, within a "
+            "minute). Run `twinkle dashboard` for a new one.\n",
+            "text/plain; charset=utf-8");
+        return;
+      }
+      const std::string id = random_hex(32);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        sessions[id] = Session{login->user, login->admin, random_hex(32), Clock::now()};
+      }
+      log(fmt::format("dashboard: {} logged in from {}", login->user, req.remote_addr));
+      res.set_header("Set-Cookie",
+                     fmt::format("{}={}; HttpOnly; SameSite=Strict; Path=/", kCookie, id));
+      res.set_redirect("/");
+    });
+
+    for (const auto& a : dashboard_assets()) {
+      const std::string path = a.path == "/index.html" ? "/" : std::string(a.path);
+      server.Get(path, [a](const httplib::Request&, httplib::Response& res) {
+        res.set_header("Cache-Control", "no-store");
+        res.set_header("X-Frame-Options", "DENY");
+        res.set_header("Content-Security-Policy",
+                       "default-src 'self'; frame-ancestors 'none'; base-uri 'none'");
+        res.set_content(std::string(a.body), std::string(a.type));
+      });
+    }
+
+    server.Get("/api/v1/session",
+               with_session([](const Session& s, const httplib::Request&, httplib::Response& res) {
+                 reply_json(res, 200, json{{"user", s.user}, {"admin", s.admin}, {"csrf", s.csrf}});
+               }));
+
+    server.Get("/api/v1/cluster", with_session([this](const Session& s, const httplib::Request& req,
+                                                      httplib::Response& res) {
+                 auto info = head<proto::NodesInfo>(s, req.remote_addr, proto::NodesQuery{}, res);
+                 if (info) reply_json(res, 200, core::to_json(proto::to_value(*info)));
+               }));
+
+    // The list: active jobs first, then the newest ended; filtered by user, state and name
+    // (a part of it), `page` pages of kPage.
+    server.Get(
+        "/api/v1/jobs",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          proto::JobsQuery q;
+          q.all = req.has_param("all");
+          q.user = req.get_param_value("user");
+          q.state = req.get_param_value("state");
+          auto info = head<proto::JobsInfo>(s, req.remote_addr, q, res);
+          if (!info) return;
+          if (info->error) return refuse(res, 400, *info->error);
+          const std::string name = req.get_param_value("name");
+          json jobs = json::array();
+          std::size_t matching = 0;
+          const auto page = positive(req.get_param_value("page")).value_or(1);
+          for (const auto& j : info->jobs) {
+            if (!name.empty() && j.name.find(name) == std::string::npos) continue;
+            ++matching;
+            if (matching <= static_cast<std::size_t>((page - 1) * kPage) ||
+                matching > static_cast<std::size_t>(page * kPage)) {
+              continue;
+            }
+            jobs.push_back(core::to_json(proto::to_value(j)));
+          }
+          reply_json(
+              res, 200,
+              json{{"jobs", jobs}, {"total", matching}, {"page", page}, {"per_page", kPage}});
+        }));
+
+    server.Get(
+        R"(/api/v1/jobs/(\d+))",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          const auto id = positive(req.matches[1]);
+          if (!id) return refuse(res, 404, "no such job");
+          proto::JobsQuery q;
+          q.job = *id;
+          auto info = head<proto::JobsInfo>(s, req.remote_addr, q, res);
+          if (!info) return;
+          if (info->error) return refuse(res, 404, *info->error);
+          if (info->jobs.empty()) return refuse(res, 404, fmt::format("no job {}", *id));
+          reply_json(res, 200, core::to_json(proto::to_value(info->jobs.front())));
+        }));
+
+    // The log from `offset`, filtered as `twinkle logs` filters it.
+    server.Get(
+        R"(/api/v1/jobs/(\d+)/logs)",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          proto::LogsQuery q;
+          q.job = positive(req.matches[1]).value_or(0);
+          q.offset = std::max<std::int64_t>(0, std::atoll(req.get_param_value("offset").c_str()));
+          q.rank = req.get_param_value("rank");
+          q.driver = req.get_param_value("driver") == "1";
+          q.grep = req.get_param_value("grep");
+          q.tail = std::max(0, std::atoi(req.get_param_value("tail").c_str()));
+          auto chunk = head<proto::LogsChunk>(s, req.remote_addr, q, res);
+          if (!chunk) return;
+          if (chunk->error) return refuse(res, 400, *chunk->error);
+          reply_json(res, 200,
+                     json{{"text", chunk->text},
+                          {"offset", chunk->offset},
+                          {"more", chunk->more},
+                          {"ended", chunk->ended}});
+        }));
+
+    // Stop a job: the owner's or, for an admin, anyone's; body {"now": true} kills at once.
+    server.Post(
+        R"(/api/v1/jobs/(\d+)/stop)",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          proto::JobStop stop;
+          stop.job = positive(req.matches[1]).value_or(0);
+          try {
+            const json body = req.body.empty() ? json::object() : json::parse(req.body);
+            stop.now = body.value("now", false);
+          } catch (const json::exception&) {
+            return refuse(res, 400, "the body is not JSON: send {} or {\"now\": true}");
+          }
+          stop.from = "dashboard " + req.remote_addr;
+          auto answer = head<proto::JobAnswer>(s, req.remote_addr, stop, res);
+          if (!answer) return;
+          if (answer->error) {
+            const int status = answer->error->find("only your own") != std::string::npos ? 403
+                               : answer->error->rfind("no job", 0) == 0                  ? 404
+                                                                                         : 400;
+            return refuse(res, status, *answer->error);
+          }
+          reply_json(res, 200, json{{"job", answer->job}, {"text", answer->text}});
+        }));
+  }
+};
+
+Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_unique<State>()) {
+  if (sodium_init() < 0) throw Error("libsodium failed to initialise (the dashboard's secrets)");
+  s_->o = std::move(options);
+  s_->ask = std::move(ask);
+  s_->routes();
+  State& s = *s_;
+  if (s.o.port == 0) {
+    s.port = s.server.bind_to_any_port(s.o.host);
+  } else {
+    s.port = s.server.bind_to_port(s.o.host, s.o.port) ? s.o.port : -1;
+  }
+  if (s.port <= 0) {
+    throw TransportError(fmt::format(
+        "the dashboard cannot listen on {}:{}: the port is in use or the address is not this "
+        "machine's; choose another with --dashboard [ADDR:]PORT",
+        s.o.host, s.o.port));
+  }
+  s.thread = std::thread([&s] { s.server.listen_after_bind(); });
+}
+
+Dashboard::~Dashboard() {
+  s_->server.stop();
+  if (s_->thread.joinable()) s_->thread.join();
+}
+
+std::string Dashboard::url() const { return fmt::format("http://{}:{}", s_->o.host, s_->port); }
+
+std::string Dashboard::grant(const std::string& user, bool admin) {
+  const std::string token = random_hex(32);
+  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(std::max(0.0, s_->o.link_s)));
+  std::lock_guard<std::mutex> lock(s_->mu);
+  // Expired links go when a new one is made: at most the few of the last minute stay.
+  for (auto l = s_->logins.begin(); l != s_->logins.end();)
+    l = Clock::now() > l->second.until ? s_->logins.erase(l) : std::next(l);
+  s_->logins[token] = State::Login{user, admin, until};
+  return fmt::format("{}/login?token={}", url(), token);
+}
+
+}  // namespace twinkle::core::cluster

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/jobs/service.hpp"
+#include "transports/zmq/protocol.hpp"
+
+// The head's web dashboard (docs/ARCHITECTURE.md, Dashboard): the page and its JSON API under
+// /api/v1/, served over HTTP on loopback by threads of its own. It keeps the logins and sessions;
+// everything it shows or changes it asks of the head's thread, as the member whose session it is.
+namespace twinkle::core::cluster {
+
+struct DashboardOptions {
+  std::string host = "127.0.0.1";  // loopback only (the CLI refuses others)
+  int port = 0;                    // 0: an ephemeral port
+  // How long a login link is good for (TWINKLE_TEST_DASHBOARD_LINK_S changes it for the tests).
+  double link_s = 60;
+  std::function<void(const std::string&)> log;
+};
+
+// Runs `m` on the head's thread on behalf of `caller`: the head's answer, or nullopt when the
+// head did not answer (it is stopping).
+using HeadAsk = std::function<std::optional<transport::ClusterMessage>(
+    const jobs::Caller& caller, transport::ClusterMessage m)>;
+
+class Dashboard {
+ public:
+  // Listens on host:port; throws TransportError naming the address when it cannot.
+  Dashboard(DashboardOptions options, HeadAsk ask);
+  Dashboard(const Dashboard&) = delete;
+  Dashboard& operator=(const Dashboard&) = delete;
+  // Stops serving (waits for requests in flight).
+  ~Dashboard();
+
+  // "http://127.0.0.1:PORT".
+  std::string url() const;
+  // A login link for `user`: it works once, within link_s.
+  std::string grant(const std::string& user, bool admin);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace twinkle::core::cluster
