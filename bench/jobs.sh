@@ -19,7 +19,7 @@ trap 'stop_head; pkill -KILL -f -- "$TMP/" 2>/dev/null; rm -rf "$TMP"' EXIT
 start_head() {
   : >"$TMP/head.log"
   "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 8 --state-dir "$TMP/state" \
-    --cache-dir "$TMP/cache" >"$TMP/head.log" 2>&1 &
+    --cache-dir "$TMP/cache" --dashboard 0 >"$TMP/head.log" 2>&1 &
   HEAD=$!
   for _ in $(seq 200); do grep -q "joined the cluster" "$TMP/head.log" && break; sleep 0.05; done
   ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
@@ -99,3 +99,18 @@ printf 'twinkle jobs (active and newest 20):      %.3f s median of 5 (%.2fx twin
 printf 'twinkle jobs --all --json (every job):    %.3f s median of 5 (%.2fx twinkle nodes)\n' "$a" "$(python3 -c "print($a / $r)")"
 printf 'twinkle nodes --address (reference):      %.3f s median of 5\n' "$r"
 printf "the head's resident memory (with its agent): %s KiB; the state folder: %s KiB\n" "$rss" "$size"
+
+# 3. The dashboard's jobs view with the same history: the API call the page makes (the first page
+#    of 50), and of the whole history, next to `twinkle nodes` above.
+link=$("$TWK" dashboard --address "$ADDR" | grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*')
+web=${link%%/login*}
+curl -s -o /dev/null -c "$TMP/jar" "$link"
+view=() hist=()
+for rep in 1 2 3 4 5; do
+  view+=("$(curl -s -o /dev/null -w '%{time_total}' -b "$TMP/jar" "$web/api/v1/jobs")")
+  hist+=("$(curl -s -o "$TMP/page.json" -w '%{time_total}' -b "$TMP/jar" "$web/api/v1/jobs?all=1")")
+done
+total=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["total"])' "$TMP/page.json")
+v=$(median "${view[@]}") h=$(median "${hist[@]}")
+printf 'dashboard jobs view (GET /api/v1/jobs):           %.3f s median of 5 (%.2fx twinkle nodes)\n' "$v" "$(python3 -c "print($v / $r)")"
+printf 'dashboard history, first page of %s (?all=1):  %.3f s median of 5 (%.2fx twinkle nodes)\n' "$total" "$h" "$(python3 -c "print($h / $r)")"

@@ -72,7 +72,7 @@ std::pair<std::string, int> dashboard_address(const std::string& text) {
     throw ConfigError(fmt::format(
         "--dashboard {}: not [ADDR:]PORT (e.g. --dashboard 8265, or 0 for any free port)", text));
   }
-  if (host.rfind("127.", 0) != 0) {
+  if (host != "127.0.0.1") {
     throw ConfigError(fmt::format(
         "--dashboard {}: the dashboard serves loopback only (127.0.0.1), since this twinkle has "
         "no TLS for it yet; reach it from elsewhere through SSH: ssh -L {}:127.0.0.1:{} HEAD",
@@ -91,7 +91,9 @@ std::filesystem::path foreground_pid_file(pid_t pid) {
 void log_line(const std::string& who, const std::string& line) {
   const std::time_t t = std::time(nullptr);
   char stamp[32];
-  std::strftime(stamp, sizeof stamp, "%H:%M:%S", std::localtime(&t));
+  std::tm tm{};
+  localtime_r(&t, &tm);  // the head's, the agent's and the dashboard's threads all log
+  std::strftime(stamp, sizeof stamp, "%H:%M:%S", &tm);
   std::fprintf(stderr, "%s twinkle %s: %s\n", stamp, who.c_str(), line.c_str());
   std::fflush(stderr);
 }

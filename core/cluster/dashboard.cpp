@@ -4,6 +4,7 @@
 #include <sodium.h>
 
 #include <chrono>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -12,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/cluster/dashboard_assets.hpp"
+#include "core/job/digest.hpp"
 #include "core/job/json_value.hpp"
 #include "twinkle/errors.hpp"
 
@@ -24,10 +26,15 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 constexpr auto kSessionIdle = std::chrono::hours(12);  // a session unused this long ends
-constexpr const char* kCookie = "twinkle_session";
+// The cookie is named after the port (cookies are not scoped by port); the session's key, which
+// the page keeps in its origin's localStorage and sends as X-Twinkle-Key, is what another
+// server on this machine that receives the cookie does not have.
+constexpr const char* kCookie = "twinkle_session_";
+constexpr std::size_t kMaxBody = 64 << 10;
 constexpr int kPage = 50;  // jobs per page of the list
 constexpr const char* kNotLoggedIn =
-    "not logged in: run `twinkle dashboard` and open the link it prints";
+    "not logged in (or this session's key is missing): run `twinkle dashboard` and open the link "
+    "it prints";
 
 std::string random_hex(std::size_t bytes) {
   std::vector<unsigned char> b(bytes);
@@ -74,6 +81,71 @@ std::optional<std::int64_t> positive(const std::string& text) {
   return v;
 }
 
+// A label value in Prometheus' text format.
+std::string label(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+std::string metrics_text(const proto::NodesInfo& nodes, const proto::JobsInfo& jobs) {
+  std::string out;
+  auto gauge = [&](const char* name, const char* help) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n", name, help, name);
+  };
+  int alive = 0, dead = 0, cpus = 0, cpus_free = 0, gpus = 0, gpus_free = 0;
+  for (const auto& n : nodes.nodes) {
+    if (n.state != "ALIVE") {
+      ++dead;
+      continue;
+    }
+    ++alive;
+    cpus += n.cpus;
+    cpus_free += n.cpus_free;
+    gpus += static_cast<int>(n.gpus.size());
+    for (const auto& g : n.gpus) gpus_free += g.run.empty() ? 1 : 0;
+  }
+  gauge("twinkle_nodes", "Nodes of the cluster by state.");
+  out += fmt::format("twinkle_nodes{{state=\"ALIVE\"}} {}\ntwinkle_nodes{{state=\"DEAD\"}} {}\n",
+                     alive, dead);
+  gauge("twinkle_cpus", "CPUs of the live nodes, used by reservations or free.");
+  out += fmt::format("twinkle_cpus{{state=\"used\"}} {}\ntwinkle_cpus{{state=\"free\"}} {}\n",
+                     cpus - cpus_free, cpus_free);
+  gauge("twinkle_gpus", "GPUs of the live nodes, used by reservations or free.");
+  out += fmt::format("twinkle_gpus{{state=\"used\"}} {}\ntwinkle_gpus{{state=\"free\"}} {}\n",
+                     gpus - gpus_free, gpus_free);
+  std::map<std::pair<std::string, std::string>, int> by;  // (state, user) -> jobs
+  std::map<std::string, double> gpu_seconds;              // user -> GPU-seconds of ended jobs
+  std::int64_t oldest = 0;
+  const auto now = static_cast<std::int64_t>(std::time(nullptr));
+  for (const auto& j : jobs.jobs) {
+    ++by[{j.state, j.user}];
+    if (j.ended) gpu_seconds[j.user] += j.gpu_seconds;
+    if (j.state == "QUEUED" && j.submitted && (oldest == 0 || j.submitted < oldest))
+      oldest = j.submitted;
+  }
+  gauge("twinkle_jobs", "Jobs in the history by state and user.");
+  for (const auto& [k, n] : by)
+    out += fmt::format("twinkle_jobs{{state=\"{}\",user=\"{}\"}} {}\n", label(k.first),
+                       label(k.second), n);
+  gauge("twinkle_queue_wait_seconds", "How long the longest-waiting queued job has waited.");
+  out += fmt::format("twinkle_queue_wait_seconds {}\n",
+                     oldest ? std::max<std::int64_t>(0, now - oldest) : 0);
+  out +=
+      "# HELP twinkle_gpu_seconds GPU-seconds of the ended jobs in the history, by user.\n"
+      "# TYPE twinkle_gpu_seconds gauge\n";
+  for (const auto& [user, g] : gpu_seconds)
+    out += fmt::format("twinkle_gpu_seconds{{user=\"{}\"}} {:.0f}\n", label(user), g);
+  return out;
+}
+
 }  // namespace
 
 struct Dashboard::State {
@@ -91,12 +163,18 @@ struct Dashboard::State {
   struct Session {
     std::string user;
     bool admin = false;
-    std::string csrf;
+    std::string key;   // X-Twinkle-Key
+    std::string csrf;  // X-CSRF-Token
     Clock::time_point last;
   };
-  std::mutex mu;  // logins, sessions
+  std::mutex mu;  // logins, sessions (both by the sha256 of their secret: lookups leak no timing)
   std::map<std::string, Login> logins;
   std::map<std::string, Session> sessions;
+
+  static std::string hashed(const std::string& secret) {
+    return sha256_hex(secret.data(), secret.size());
+  }
+  std::string cookie() const { return fmt::format("{}{}", kCookie, port); }
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -110,13 +188,17 @@ struct Dashboard::State {
     return false;
   }
 
-  // The session of the request's cookie, renewed; nullopt when there is none.
+  // The session of the request's cookie and key (X-Twinkle-Key, or Authorization: Bearer for a
+  // scraper), renewed; nullopt when either is missing or wrong.
   std::optional<Session> session_of(const httplib::Request& req) {
-    const std::string id = cookie_value(req, kCookie);
-    if (id.empty()) return std::nullopt;
+    const std::string id = cookie_value(req, cookie());
+    std::string key = req.get_header_value("X-Twinkle-Key");
+    const std::string auth = req.get_header_value("Authorization");
+    if (key.empty() && auth.rfind("Bearer ", 0) == 0) key = auth.substr(7);
+    if (id.empty() || key.empty()) return std::nullopt;
     std::lock_guard<std::mutex> lock(mu);
-    auto s = sessions.find(id);
-    if (s == sessions.end()) return std::nullopt;
+    auto s = sessions.find(hashed(id));
+    if (s == sessions.end() || !same_secret(key, s->second.key)) return std::nullopt;
     if (Clock::now() - s->second.last > kSessionIdle) {
       sessions.erase(s);
       return std::nullopt;
@@ -159,7 +241,14 @@ struct Dashboard::State {
                            req.get_header_value("Host"), port));
         return httplib::Server::HandlerResponse::Handled;
       }
-      if (req.path.rfind("/api/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+      const bool api = req.path.rfind("/api/", 0) == 0 || req.path == "/metrics";
+      if (!api) {
+        // The page and the login: read only.
+        if (req.method == "GET" || req.method == "HEAD")
+          return httplib::Server::HandlerResponse::Unhandled;
+        refuse(res, 405, fmt::format("{} {}: only GET here", req.method, req.path));
+        return httplib::Server::HandlerResponse::Handled;
+      }
       auto s = session_of(req);
       if (!s) {
         refuse(res, 401, kNotLoggedIn);
@@ -184,7 +273,7 @@ struct Dashboard::State {
       std::optional<Login> login;
       {
         std::lock_guard<std::mutex> lock(mu);
-        auto l = logins.find(token);
+        auto l = logins.find(hashed(token));
         if (l != logins.end()) {
           if (Clock::now() <= l->second.until) login = l->second;
           logins.erase(l);  // used or expired: never again
@@ -198,15 +287,18 @@ struct Dashboard::State {
             "text/plain; charset=utf-8");
         return;
       }
-      const std::string id = random_hex(32);
+      const std::string id = random_hex(32), key = random_hex(32);
       {
         std::lock_guard<std::mutex> lock(mu);
-        sessions[id] = Session{login->user, login->admin, random_hex(32), Clock::now()};
+        sessions[hashed(id)] =
+            Session{login->user, login->admin, key, random_hex(32), Clock::now()};
       }
       log(fmt::format("dashboard: {} logged in from {}", login->user, req.remote_addr));
       res.set_header("Set-Cookie",
-                     fmt::format("{}={}; HttpOnly; SameSite=Strict; Path=/", kCookie, id));
-      res.set_redirect("/");
+                     fmt::format("{}={}; HttpOnly; SameSite=Strict; Path=/", cookie(), id));
+      // The key travels in the fragment: never sent to a server, never in a Referer.
+      res.set_header("Referrer-Policy", "no-referrer");
+      res.set_redirect("/#key=" + key);
     });
 
     for (const auto& a : dashboard_assets()) {
@@ -246,7 +338,8 @@ struct Dashboard::State {
           const std::string name = req.get_param_value("name");
           json jobs = json::array();
           std::size_t matching = 0;
-          const auto page = positive(req.get_param_value("page")).value_or(1);
+          const auto page =
+              std::min<std::int64_t>(positive(req.get_param_value("page")).value_or(1), 1 << 24);
           for (const auto& j : info->jobs) {
             if (!name.empty() && j.name.find(name) == std::string::npos) continue;
             ++matching;
@@ -296,6 +389,21 @@ struct Dashboard::State {
                           {"ended", chunk->ended}});
         }));
 
+    // Prometheus' text format, for a scraper that sends a session's cookie: nodes by state, CPUs
+    // and GPUs used and free, jobs by state and user, the longest wait in the queue, GPU-seconds
+    // of ended jobs by user. GPU utilisation is not there: the agents do not sample it.
+    server.Get("/metrics", with_session([this](const Session& s, const httplib::Request& req,
+                                               httplib::Response& res) {
+                 auto info = head<proto::NodesInfo>(s, req.remote_addr, proto::NodesQuery{}, res);
+                 if (!info) return;
+                 proto::JobsQuery q;
+                 q.all = true;
+                 auto jobs = head<proto::JobsInfo>(s, req.remote_addr, q, res);
+                 if (!jobs) return;
+                 res.set_header("Cache-Control", "no-store");
+                 res.set_content(metrics_text(*info, *jobs), "text/plain; version=0.0.4");
+               }));
+
     // Stop a job: the owner's or, for an admin, anyone's; body {"now": true} kills at once.
     server.Post(
         R"(/api/v1/jobs/(\d+)/stop)",
@@ -328,6 +436,8 @@ Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_uniqu
   s_->ask = std::move(ask);
   s_->routes();
   State& s = *s_;
+  s.server.set_payload_max_length(kMaxBody);
+  s.server.set_keep_alive_timeout(1);
   if (s.o.port == 0) {
     s.port = s.server.bind_to_any_port(s.o.host);
   } else {
@@ -340,6 +450,10 @@ Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_uniqu
         s.o.host, s.o.port));
   }
   s.thread = std::thread([&s] { s.server.listen_after_bind(); });
+  // stop() does nothing before the server runs: a dashboard destroyed at once must not hang.
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (!s.server.is_running() && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 Dashboard::~Dashboard() {
@@ -357,7 +471,7 @@ std::string Dashboard::grant(const std::string& user, bool admin) {
   // Expired links go when a new one is made: at most the few of the last minute stay.
   for (auto l = s_->logins.begin(); l != s_->logins.end();)
     l = Clock::now() > l->second.until ? s_->logins.erase(l) : std::next(l);
-  s_->logins[token] = State::Login{user, admin, until};
+  s_->logins[State::hashed(token)] = State::Login{user, admin, until};
   return fmt::format("{}/login?token={}", url(), token);
 }
 

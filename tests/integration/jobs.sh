@@ -477,21 +477,27 @@ PY
       [ "$m" = POST ] && set -- -H "Content-Type: application/json" --data '{}' "$@"
       curl -s -o "$TMP/body" -w '%{http_code}' -X "$m" "$@" "$WEB$p"
     }
-    # login USER: a session cookie jar of USER's in $TMP/USER.jar.
+    # login USER: USER's session: its cookie in $TMP/USER.jar, its key (from the redirect's
+    # fragment) in $TMP/USER.key.
     login() {
       run 0 "$TWK" dashboard --address "$ADDR" $(as "$1")
-      local link
+      local link went
       link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
       [ -n "$link" ] || { cat "$TMP/out"; fail "twinkle dashboard printed no link"; }
       echo "$link" >"$TMP/$1.link"
-      [ "$(curl -s -o /dev/null -w '%{http_code}' -c "$TMP/$1.jar" "$link")" = 302 ] ||
-        fail "$1's login link did not log in"
-      grep -q twinkle_session "$TMP/$1.jar" || fail "no session cookie for $1"
+      went=$(curl -s -o /dev/null -w '%{http_code} %{redirect_url}' -c "$TMP/$1.jar" "$link")
+      [ "${went%% *}" = 302 ] || fail "$1's login link did not log in: $went"
+      sed -n 's|.*/#key=\([0-9a-f]\{64\}\)$|\1|p' <<<"$went" >"$TMP/$1.key"
+      [ -s "$TMP/$1.key" ] || fail "the login's redirect carries no key: $went"
+      grep -q "twinkle_session_${WEB##*:}" "$TMP/$1.jar" || fail "no session cookie for $1"
     }
+    # web USER: curl's arguments for USER's session.
+    web() { echo -b "$TMP/$1.jar" -H "X-Twinkle-Key:$(cat "$TMP/$1.key")"; }  # no spaces
     [ "$(code GET /api/v1/session)" = 401 ] || { cat "$TMP/body"; fail "no cookie: not 401"; }
     grep -q "twinkle dashboard" "$TMP/body" || fail "the 401 does not say how to log in"
     [ "$(code GET /)" = 200 ] && grep -q '<script src="/app.js"' "$TMP/body" || fail "no page at /"
     [ "$(code GET / -H "Host: attacker.example:${WEB##*:}")" = 421 ] || fail "a foreign Host was served"
+    [ "$(code POST / --data x)" = 405 ] || fail "a POST to the page was not refused"
     login alice
     grep -qi 'set-cookie' <(curl -s -D - -o /dev/null "$(cat "$TMP/alice.link")") &&
       fail "a used link logged in again"
@@ -499,42 +505,56 @@ PY
       fail "a used link was not refused"
     grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
     [ "$(code GET /login?token=0123456789abcdef)" = 403 ] || fail "a forged link was not refused"
-    [ "$(code GET /api/v1/session -b "$TMP/alice.jar")" = 200 ] || fail "alice's session is refused"
+    [ "$(code GET /api/v1/session -b "$TMP/alice.jar")" = 401 ] || fail "the cookie without the key was let in"
+    [ "$(code GET /api/v1/session -H "X-Twinkle-Key: $(cat "$TMP/alice.key")")" = 401 ] ||
+      fail "the key without the cookie was let in"
+    [ "$(code GET /api/v1/session $(web alice))" = 200 ] || fail "alice's session is refused"
     python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); sys.exit(0 if s["user"]=="alice" and not s["admin"] and len(s["csrf"])==64 else 1)' "$TMP/body" ||
       { cat "$TMP/body"; fail "alice's session is not alice's"; }
     csrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/body")
-    [ "$(code GET /api/v1/cluster -b "$TMP/alice.jar")" = 200 ] && grep -q '"id":"n1"' "$TMP/body" ||
+    [ "$(code GET /api/v1/cluster $(web alice))" = 200 ] && grep -q '"id":"n1"' "$TMP/body" ||
       { cat "$TMP/body"; fail "the cluster view lacks node n1"; }
     # bob's running job.
     fixture_dir h hang
     MEMBER=($(as bob))
     id=$(submit_id "$TMP/h/job.toml")
     wait_state "$id" RUNNING 20
-    [ "$(code GET "/api/v1/jobs" -b "$TMP/alice.jar")" = 200 ] && grep -q "\"id\":$id" "$TMP/body" ||
+    [ "$(code GET "/api/v1/jobs" $(web alice))" = 200 ] && grep -q "\"id\":$id" "$TMP/body" ||
       { cat "$TMP/body"; fail "alice does not see bob's job"; }
-    [ "$(code GET "/api/v1/jobs/$id" -b "$TMP/alice.jar")" = 200 ] && grep -q '"user":"bob"' "$TMP/body" ||
+    [ "$(code GET "/api/v1/jobs/$id" $(web alice))" = 200 ] && grep -q '"user":"bob"' "$TMP/body" ||
       { cat "$TMP/body"; fail "the job's page is not bob's job"; }
+    # Prometheus' text format, for a session too.
+    [ "$(code GET /metrics)" = 401 ] || fail "/metrics without a session was not refused"
+    [ "$(code GET /metrics $(web alice))" = 200 ] || fail "/metrics refused alice"
+    for m in 'twinkle_nodes{state="ALIVE"} 1' 'twinkle_cpus{state="free"} 2' \
+             "twinkle_jobs{state=\"RUNNING\",user=\"bob\"} 1" 'twinkle_gpus{state="used"} 0'; do
+      grep -qxF "$m" "$TMP/body" || { cat "$TMP/body"; fail "/metrics lacks: $m"; }
+    done
     origin=(-H "Origin: $WEB")
-    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" "${origin[@]}")" = 403 ] ||
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web alice) "${origin[@]}")" = 403 ] ||
       fail "a stop without the CSRF token was not refused"
     grep -q CSRF "$TMP/body" || fail "the refusal does not name the CSRF token"
-    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" -H "X-CSRF-Token: $csrf" -H "Origin: http://attacker.example")" = 403 ] ||
-      fail "a stop from another Origin was not refused"
-    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/alice.jar" -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web alice) -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
       { cat "$TMP/body"; echo; fail "alice stopped bob's job"; }
     grep -q "you (alice) may stop only your own jobs" "$TMP/body" || { cat "$TMP/body"; fail "the refusal does not say why"; }
     [ "$(job_field "$id" state)" = RUNNING ] || fail "alice's refused stop changed the job"
     login carol
-    [ "$(code GET /api/v1/session -b "$TMP/carol.jar")" = 200 ] || fail "carol's session is refused"
+    [ "$(code GET /api/v1/session $(web carol))" = 200 ] || fail "carol's session is refused"
     ccsrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/body")
-    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/carol.jar" -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web carol) -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] ||
       fail "carol's session took alice's CSRF token"
-    [ "$(code POST "/api/v1/jobs/$id/stop" -b "$TMP/carol.jar" -H "X-CSRF-Token: $ccsrf" "${origin[@]}")" = 200 ] ||
+    # Carol may stop it; only the Origin can be why these are refused.
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web carol) -H "X-CSRF-Token: $ccsrf" -H "Origin: http://attacker.example")" = 403 ] &&
+      grep -q Origin "$TMP/body" || fail "a stop from another Origin was not refused"
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web carol) -H "X-CSRF-Token: $ccsrf")" = 403 ] &&
+      grep -q Origin "$TMP/body" || fail "a stop without an Origin was not refused"
+    [ "$(job_field "$id" state)" = RUNNING ] || fail "a refused stop changed the job"
+    [ "$(code POST "/api/v1/jobs/$id/stop" $(web carol) -H "X-CSRF-Token: $ccsrf" "${origin[@]}")" = 200 ] ||
       { cat "$TMP/body"; fail "the admin could not stop bob's job"; }
     wait_state "$id" STOPPED 60
     run 0 "$TWK" job show "$id" --address "$ADDR" $(as bob)
     expect_out "stopped by carol"
-    [ "$(code GET "/api/v1/jobs/$id/logs?tail=5" -b "$TMP/carol.jar")" = 200 ] && grep -q '"ended":true' "$TMP/body" ||
+    [ "$(code GET "/api/v1/jobs/$id/logs?tail=5" $(web carol))" = 200 ] && grep -q '"ended":true' "$TMP/body" ||
       { cat "$TMP/body"; fail "the job's log is not there"; }
     ;;
 
@@ -550,6 +570,10 @@ PY
     run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 0.0.0.0:8265 --state-dir "$TMP/s2"
     expect_err "the dashboard serves loopback only"
     expect_err "ssh -L 8265:127.0.0.1:8265"
+    for a in 127.0.0.2:8265 127.0.0.1.example:8265 127.evil:8265; do
+      run 2 "$TWK" node start --head --no-agent --port 0 --dashboard "$a" --state-dir "$TMP/s2"
+      expect_err "the dashboard serves loopback only"
+    done
     ;;
 
   dashboard_browser)

@@ -4,6 +4,14 @@
 
 let session = null;
 let timer = null;
+let generation = 0;  // of route(): a view from an older one is not shown
+
+// The session's key: the login link's redirect brings it in the fragment once; it lives in this
+// origin's localStorage and goes with every API request (X-Twinkle-Key).
+if (location.hash.startsWith("#key=")) {
+  localStorage.setItem("twinkle_key", location.hash.slice(5));
+  history.replaceState(null, "", "/#/cluster");
+}
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -22,7 +30,9 @@ function table(headers, rows) {
 }
 
 async function api(path, options) {
-  const res = await fetch("/api/v1" + path, options);
+  const o = Object.assign({}, options || {});
+  o.headers = Object.assign({ "X-Twinkle-Key": localStorage.getItem("twinkle_key") || "" }, o.headers || {});
+  const res = await fetch("/api/v1" + path, o);
   const body = await res.json().catch(() => ({ error: res.statusText }));
   if (!res.ok) throw new Error(body.error || res.statusText);
   return body;
@@ -30,12 +40,14 @@ async function api(path, options) {
 
 function when(t) { return t ? new Date(t * 1000).toLocaleString() : "-"; }
 
-function show(...nodes) {
+// Shows the view that route() number `mine` made, unless a newer route() started meanwhile.
+function show(mine, ...nodes) {
+  if (mine !== generation) return;
   const main = document.getElementById("main");
   main.replaceChildren(...nodes);
 }
 
-async function cluster() {
+async function cluster(mine) {
   const c = await api("/cluster");
   const nodes = c.nodes.map((n) => [n.id, n.host, el("span", { class: "state-" + n.state }, n.state),
     n.heartbeat_age_s.toFixed(1) + " s", `${n.cpus - n.cpus_free} / ${n.cpus}`,
@@ -45,13 +57,13 @@ async function cluster() {
     Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ")]);
   const res = c.reservations.map((r) => [r.run, r.job, r.owner,
     r.bundles.map((b) => `${b.node}: ${b.cpus} CPUs` + (b.gpus.length ? `, GPUs ${b.gpus.join(",")}` : "")).join("; ")]);
-  show(el("h2", {}, `Nodes (${c.nodes.length})`),
+  show(mine, el("h2", {}, `Nodes (${c.nodes.length})`),
     table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "memory", "labels"], nodes),
     el("h2", {}, `Reservations (${c.reservations.length})`),
     table(["run", "job", "user", "devices"], res));
 }
 
-async function jobs(params) {
+async function jobs(mine, params) {
   const q = new URLSearchParams(params);
   const list = await api("/jobs?" + q.toString());
   const filters = el("form", { class: "filters", onsubmit: (e) => {
@@ -71,7 +83,7 @@ async function jobs(params) {
     when(j.submitted), when(j.started), j.retries, j.exit_code === undefined ? "-" : j.exit_code,
     j.reason || ""]);
   const pages = Math.max(1, Math.ceil(list.total / list.per_page));
-  show(filters, el("h2", {}, `Jobs (${list.total}; page ${list.page} of ${pages})`),
+  show(mine, filters, el("h2", {}, `Jobs (${list.total}; page ${list.page} of ${pages})`),
     table(["id", "name", "user", "state", "nodes / GPUs", "submitted", "started", "retries", "exit", "why"], rows),
     list.page > 1 ? el("a", { href: "#/jobs?" + new URLSearchParams({ ...Object.fromEntries(params), page: list.page - 1 }) }, "« newer") : "",
     " ",
@@ -80,7 +92,7 @@ async function jobs(params) {
 
 let log = { job: 0, offset: 0, text: "" };
 
-async function job(id) {
+async function job(mine, id) {
   const j = await api(`/jobs/${id}`);
   if (log.job !== id) log = { job: id, offset: 0, text: "" };
   const pre = el("pre", { class: "log", id: "log" }, log.text);
@@ -95,7 +107,7 @@ async function job(id) {
   };
   const active = j.state === "QUEUED" || j.state === "RUNNING";
   const placement = (j.placement || []).map((p) => [p.group + ":" + p.rank, p.node, (p.gpus || []).join(",") || "-"]);
-  show(el("h2", {}, `Job ${j.id}: ${j.name}`),
+  show(mine, el("h2", {}, `Job ${j.id}: ${j.name}`),
     table(["user", "state", "submitted", "started", "ended", "exit", "retries", "GPU-seconds"],
       [[j.user, el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
         when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries, (j.gpu_seconds || 0).toFixed(0)]]),
@@ -104,12 +116,14 @@ async function job(id) {
     j.reason ? el("p", {}, j.reason) : "",
     el("h2", {}, "Where every rank ran"), table(["rank", "node", "GPUs"], placement),
     el("h2", {}, "Log"), pre);
-  await more_log(id);
+  if (mine === generation) await more_log(id);
 }
 
 async function more_log(id) {
   for (let i = 0; i < 20; ++i) {
-    const c = await api(`/jobs/${id}/logs?offset=${log.offset}`);
+    const from = log.offset;
+    const c = await api(`/jobs/${id}/logs?offset=${from}`);
+    if (log.job !== id || log.offset !== from) return;  // another view read it meanwhile
     log.text += c.text;
     log.offset = c.offset;
     const pre = document.getElementById("log");
@@ -120,6 +134,7 @@ async function more_log(id) {
 
 async function route() {
   clearTimeout(timer);
+  const mine = ++generation;
   const [path, query] = (location.hash.slice(1) || "/cluster").split("?");
   const params = new URLSearchParams(query || "");
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", path.startsWith(a.getAttribute("href").slice(1)));
@@ -127,15 +142,16 @@ async function route() {
     if (!session) session = await api("/session");
     document.getElementById("who").textContent = session.user + (session.admin ? " (admin)" : "");
     const m = path.match(/^\/job\/(\d+)$/);
-    if (m) await job(Number(m[1]));
-    else if (path === "/jobs") await jobs(params);
-    else await cluster();
+    if (m) await job(mine, Number(m[1]));
+    else if (path === "/jobs") await jobs(mine, params);
+    else await cluster(mine);
   } catch (e) {
+    if (mine !== generation) return;
     session = null;
-    show(el("p", { class: "error" }, e.message));
+    show(mine, el("p", { class: "error" }, e.message));
     return;
   }
-  timer = setTimeout(route, 1000);
+  if (mine === generation) timer = setTimeout(route, 1000);
 }
 
 window.addEventListener("hashchange", route);
