@@ -5,6 +5,7 @@
 #  2. With 10,000 ended jobs in the history: `twinkle jobs` and `twinkle jobs --all --json`, next
 #     to `twinkle nodes --address` (one round trip to the head, the same process start), the
 #     head's resident memory and the state folder's size.
+#  3. The dashboard's jobs view with that history (the first page, and of ?all=1), next to the same.
 # Usage: jobs.sh TWINKLE_BINARY FIXTURE_PLUGIN
 set -euo pipefail
 TWK=$1 PLUGIN=$2
@@ -14,7 +15,7 @@ mkdir -p "$HOME"
 unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINKLE_HOME
 HEAD=""
 stop_head() { [ -z "$HEAD" ] || { kill "$HEAD" 2>/dev/null; wait "$HEAD" 2>/dev/null || true; HEAD=""; }; }
-trap 'stop_head; pkill -KILL -f -- "$TMP/" 2>/dev/null; rm -rf "$TMP"' EXIT
+trap 'stop_head; pkill -KILL -f -- "$TMP/" 2>/dev/null || true; rm -rf "$TMP"' EXIT
 
 start_head() {
   : >"$TMP/head.log"
@@ -104,11 +105,12 @@ printf "the head's resident memory (with its agent): %s KiB; the state folder: %
 #    of 50), and of the whole history, next to `twinkle nodes` above.
 link=$("$TWK" dashboard --address "$ADDR" | grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*')
 web=${link%%/login*}
-curl -s -o /dev/null -c "$TMP/jar" "$link"
+went=$(curl -s -o /dev/null -w '%{redirect_url}' -c "$TMP/jar" "$link")
+key=(-H "X-Twinkle-Key: ${went##*#key=}")  # the session's key, from the login's redirect
 view=() hist=()
 for rep in 1 2 3 4 5; do
-  view+=("$(curl -s -o /dev/null -w '%{time_total}' -b "$TMP/jar" "$web/api/v1/jobs")")
-  hist+=("$(curl -s -o "$TMP/page.json" -w '%{time_total}' -b "$TMP/jar" "$web/api/v1/jobs?all=1")")
+  view+=("$(curl -s -o "$TMP/view.json" -w '%{time_total}' -b "$TMP/jar" "${key[@]}" "$web/api/v1/jobs")")
+  hist+=("$(curl -s -o "$TMP/page.json" -w '%{time_total}' -b "$TMP/jar" "${key[@]}" "$web/api/v1/jobs?all=1")")
 done
 total=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["total"])' "$TMP/page.json")
 v=$(median "${view[@]}") h=$(median "${hist[@]}")
