@@ -105,7 +105,8 @@ printf "the head's resident memory (with its agent): %s KiB; the state folder: %
 #    of 50), and of the whole history, next to `twinkle nodes` above.
 link=$("$TWK" dashboard --address "$ADDR" | grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*')
 web=${link%%/login*}
-went=$(curl -s -o /dev/null -w '%{redirect_url}' -c "$TMP/jar" "$link")
+went=$(curl -s -o /dev/null -w '%{redirect_url}' -c "$TMP/jar" -H "Origin: $web" \
+  --data "token=${link##*token=}" "$web/login")
 key=(-H "X-Twinkle-Key: ${went##*#key=}")  # the session's key, from the login's redirect
 view=() hist=()
 for rep in 1 2 3 4 5; do

@@ -74,6 +74,54 @@ std::string cookie_value(const httplib::Request& req, const std::string& name) {
   return "";
 }
 
+// The headers of every page: no caching, no framing (the login's button cannot be clicked from
+// another site's frame), nothing but this server's own files.
+void page_headers(httplib::Response& res) {
+  res.set_header("Cache-Control", "no-store");
+  res.set_header("X-Frame-Options", "DENY");
+  res.set_header("Content-Security-Policy",
+                 "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'");
+}
+
+void link_refused(httplib::Response& res) {
+  res.status = 403;
+  res.set_content(
+      "This login link was used already or has expired (a link works once, within a minute). "
+      "Run `twinkle dashboard` for a new one.\n",
+      "text/plain; charset=utf-8");
+}
+
+std::string html_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// The value of `name` in a form's urlencoded body (the login's token: hex digits only).
+std::string form_value(const std::string& body, const std::string& name) {
+  std::size_t at = 0;
+  while (at <= body.size()) {
+    std::size_t end = body.find('&', at);
+    if (end == std::string::npos) end = body.size();
+    const std::string part = body.substr(at, end - at);
+    if (part.rfind(name + "=", 0) == 0) {
+      std::string v = part.substr(name.size() + 1);
+      return v.find_first_not_of("0123456789abcdef") == std::string::npos ? v : "";
+    }
+    at = end + 1;
+  }
+  return "";
+}
+
 std::optional<std::int64_t> positive(const std::string& text) {
   char* end = nullptr;
   const long long v = std::strtoll(text.c_str(), &end, 10);
@@ -243,9 +291,15 @@ struct Dashboard::State {
       }
       const bool api = req.path.rfind("/api/", 0) == 0 || req.path == "/metrics";
       if (!api) {
-        // The page and the login: read only.
+        // The page: read only; the login's form: from this dashboard's own page.
         if (req.method == "GET" || req.method == "HEAD")
           return httplib::Server::HandlerResponse::Unhandled;
+        if (req.method == "POST" && req.path == "/login") {
+          if (req.get_header_value("Origin") == "http://" + req.get_header_value("Host"))
+            return httplib::Server::HandlerResponse::Unhandled;
+          refuse(res, 403, "a login comes from the dashboard's own login page (Origin)");
+          return httplib::Server::HandlerResponse::Handled;
+        }
         refuse(res, 405, fmt::format("{} {}: only GET here", req.method, req.path));
         return httplib::Server::HandlerResponse::Handled;
       }
@@ -268,8 +322,32 @@ struct Dashboard::State {
       return httplib::Server::HandlerResponse::Unhandled;
     });
 
+    // GET /login?token=T asks "log in as USER?" and uses nothing up; the form's POST, from this
+    // dashboard's own page (Origin), takes the link. So a page of another site that sends a browser
+    // to a link of its own gets no session into it (no login CSRF), and a prefetch spends no link.
     server.Get("/login", [this](const httplib::Request& req, httplib::Response& res) {
       const std::string token = req.get_param_value("token");
+      std::optional<Login> login;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto l = logins.find(hashed(token));
+        if (l != logins.end() && Clock::now() <= l->second.until) login = l->second;
+      }
+      if (!login) return link_refused(res);
+      page_headers(res);
+      res.set_content(
+          fmt::format("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+                      "<title>Twinkle: log in</title><link rel=\"stylesheet\" "
+                      "href=\"/style.css\"></head>\n<body><main><p>Log in to this cluster's "
+                      "dashboard as <strong>{}</strong>{}?</p>\n<form method=\"post\" "
+                      "action=\"/login\"><input type=\"hidden\" name=\"token\" value=\"{}\">"
+                      "<button type=\"submit\">Log in</button></form></main></body></html>\n",
+                      html_escape(login->user), login->admin ? " (admin)" : "", html_escape(token)),
+          "text/html; charset=utf-8");
+    });
+
+    server.Post("/login", [this](const httplib::Request& req, httplib::Response& res) {
+      const std::string token = form_value(req.body, "token");
       std::optional<Login> login;
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -279,14 +357,7 @@ struct Dashboard::State {
           logins.erase(l);  // used or expired: never again
         }
       }
-      if (!login) {
-        res.status = 403;
-        res.set_content(
-            "This login link was used already or has expired (a link works once, within a "
-            "minute). Run `twinkle dashboard` for a new one.\n",
-            "text/plain; charset=utf-8");
-        return;
-      }
+      if (!login) return link_refused(res);
       const std::string id = random_hex(32), key = random_hex(32);
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -298,16 +369,13 @@ struct Dashboard::State {
                      fmt::format("{}={}; HttpOnly; SameSite=Strict; Path=/", cookie(), id));
       // The key travels in the fragment: never sent to a server, never in a Referer.
       res.set_header("Referrer-Policy", "no-referrer");
-      res.set_redirect("/#key=" + key);
+      res.set_redirect("/#key=" + key, 303);
     });
 
     for (const auto& a : dashboard_assets()) {
       const std::string path = a.path == "/index.html" ? "/" : std::string(a.path);
       server.Get(path, [a](const httplib::Request&, httplib::Response& res) {
-        res.set_header("Cache-Control", "no-store");
-        res.set_header("X-Frame-Options", "DENY");
-        res.set_header("Content-Security-Policy",
-                       "default-src 'self'; frame-ancestors 'none'; base-uri 'none'");
+        page_headers(res);
         res.set_content(std::string(a.body), std::string(a.type));
       });
     }

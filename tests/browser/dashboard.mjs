@@ -23,7 +23,8 @@ try {
   const page = await browser.newPage();
   page.on("dialog", (d) => d.accept());
   await page.goto(link);
-  // The login link leads to the Cluster view, with every node.
+  // The link asks first; its button logs in and leads to the Cluster view, with every node.
+  await page.getByRole("button", { name: "Log in", exact: true }).click();
   for (const n of nodes) await page.getByRole("cell", { name: n, exact: true }).first().waitFor({ timeout: 10000 });
   const held = page.getByText(/^Reservations \([1-9][0-9]*\)$/);
   await held.waitFor({ timeout: 10000 });

@@ -485,8 +485,16 @@ PY
       link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
       [ -n "$link" ] || { cat "$TMP/out"; fail "twinkle dashboard printed no link"; }
       echo "$link" >"$TMP/$1.link"
-      went=$(curl -s -o /dev/null -w '%{http_code} %{redirect_url}' -c "$TMP/$1.jar" "$link")
-      [ "${went%% *}" = 302 ] || fail "$1's login link did not log in: $went"
+      # The link asks first (and uses nothing up: asked twice, it still works) ...
+      for _ in 1 2; do
+        [ "$(curl -s -o "$TMP/body" -w '%{http_code}' "$link")" = 200 ] &&
+          grep -q "as <strong>$1</strong>" "$TMP/body" && grep -q 'method="post"' "$TMP/body" ||
+          { cat "$TMP/body"; fail "$1's login link does not ask to log in as $1"; }
+      done
+      # ... and its form's POST, from the dashboard's own page, logs in.
+      went=$(curl -s -o /dev/null -w '%{http_code} %{redirect_url}' -c "$TMP/$1.jar" \
+        -H "Origin: $WEB" --data "token=${link##*token=}" "$WEB/login")
+      [ "${went%% *}" = 303 ] || fail "$1's login link did not log in: $went"
       sed -n 's|.*/#key=\([0-9a-f]\{64\}\)$|\1|p' <<<"$went" >"$TMP/$1.key"
       [ -s "$TMP/$1.key" ] || fail "the login's redirect carries no key: $went"
       grep -q "twinkle_session_${WEB##*:}" "$TMP/$1.jar" || fail "no session cookie for $1"
@@ -499,12 +507,18 @@ PY
     [ "$(code GET / -H "Host: attacker.example:${WEB##*:}")" = 421 ] || fail "a foreign Host was served"
     [ "$(code POST / --data x)" = 405 ] || fail "a POST to the page was not refused"
     login alice
-    grep -qi 'set-cookie' <(curl -s -D - -o /dev/null "$(cat "$TMP/alice.link")") &&
+    token=$(sed 's/.*token=//' "$TMP/alice.link")
+    [ "$(code POST /login -H "Origin: $WEB" --data "token=$token")" = 403 ] ||
       fail "a used link logged in again"
-    [ "$(code GET "/login?token=$(cat "$TMP/alice.link" | sed 's/.*token=//')")" = 403 ] ||
-      fail "a used link was not refused"
     grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
+    [ "$(code GET "/login?token=$token")" = 403 ] || fail "a used link still asks to log in"
     [ "$(code GET /login?token=0123456789abcdef)" = 403 ] || fail "a forged link was not refused"
+    # Another site's page cannot log a browser in to a session of its own choosing.
+    run 0 "$TWK" dashboard --address "$ADDR" $(as bob)
+    token=$(grep -o 'login?token=[0-9a-f]*' "$TMP/out" | sed 's/.*token=//')
+    [ "$(code POST /login -H "Origin: http://attacker.example" --data "token=$token")" = 403 ] &&
+      grep -q Origin "$TMP/body" || fail "a login from another site's page was let in"
+    [ "$(code POST /login --data "token=$token")" = 403 ] || fail "a login without an Origin was let in"
     [ "$(code GET /api/v1/session -b "$TMP/alice.jar")" = 401 ] || fail "the cookie without the key was let in"
     [ "$(code GET /api/v1/session -H "X-Twinkle-Key: $(cat "$TMP/alice.key")")" = 401 ] ||
       fail "the key without the cookie was let in"
@@ -564,7 +578,11 @@ PY
     wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
     run 0 "$TWK" dashboard --address "$ADDR"
     link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
-    [ "$(curl -s -o "$TMP/body" -w '%{http_code}' "$link")" = 403 ] || fail "an expired link logged in"
+    [ "$(curl -s -o "$TMP/body" -w '%{http_code}' "$link")" = 403 ] || fail "an expired link asked to log in"
+    grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
+    web=${link%%/login*}
+    [ "$(curl -s -o "$TMP/body" -w '%{http_code}' -H "Origin: $web" --data "token=${link##*token=}" "$web/login")" = 403 ] ||
+      fail "an expired link logged in"
     grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
     # A dashboard elsewhere than loopback is refused, with the way to reach one from elsewhere.
     run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 0.0.0.0:8265 --state-dir "$TMP/s2"
