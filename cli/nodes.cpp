@@ -10,9 +10,9 @@
 
 #include "cli/cluster_flags.hpp"
 #include "cli/commands.hpp"
-#include "core/job/json_value.hpp"
 #include "core/cluster/head_link.hpp"
 #include "core/cluster/slurm.hpp"
+#include "core/job/json_value.hpp"
 #include "core/job/resources.hpp"
 #include "twinkle/value.hpp"
 

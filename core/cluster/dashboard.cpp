@@ -39,9 +39,7 @@ constexpr const char* kNotLoggedIn =
 std::string random_hex(std::size_t bytes) {
   std::vector<unsigned char> b(bytes);
   randombytes_buf(b.data(), b.size());
-  std::string out;
-  for (unsigned char c : b) out += fmt::format("{:02x}", c);
-  return out;
+  return hex(b.data(), b.size());
 }
 
 // Constant-time comparison of secrets of the same length.

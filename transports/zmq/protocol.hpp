@@ -944,12 +944,12 @@ struct DashboardGrant {
   }
 };
 
-using Cluster = std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery,
-                             NodesInfo, Reserve, Reservation, Release, Lease, Launch, Launched,
-                             NeedPlugin, PluginBytes, StopJob, Stopped, WorkerExit, Output,
-                             NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart, UploadState,
-                             Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
-                             DashboardLink, DashboardGrant>;
+using Cluster =
+    std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery, NodesInfo, Reserve,
+                 Reservation, Release, Lease, Launch, Launched, NeedPlugin, PluginBytes, StopJob,
+                 Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart,
+                 UploadState, Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
+                 DashboardLink, DashboardGrant>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.
