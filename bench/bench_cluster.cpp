@@ -117,7 +117,8 @@ HeadScale head_scale(const std::string& twinkle, const std::string& dir, bool qu
       const auto t0 = Clock::now();
       for (int i = 0; i < nodes; ++i) {
         twinkle::transport::send_message(
-            agents[i], Message{0, twinkle::transport::proto::Heartbeat{fmt::format("sim{}", i)}});
+            agents[i], Message{0, twinkle::transport::proto::Heartbeat{fmt::format("sim{}", i),
+                                                                       std::nullopt}});
         zmq::message_t drop;
         while (agents[i].recv(drop, zmq::recv_flags::dontwait)) {
         }

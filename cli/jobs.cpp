@@ -257,16 +257,10 @@ int run_submit(const SubmitOptions& o) {
   if (st.error) throw Error(fmt::format("the head refused the working directory: {}", *st.error));
   const bool uploaded = !st.have;
   for (std::size_t at = 0; !st.have;) {
-    const std::size_t n = std::min(kUploadPiece, packed.bytes.size() - at);
-    proto::UploadPart part;
-    part.sha256 = packed.sha256;
-    part.offset = static_cast<std::int64_t>(at);
-    part.bytes.data.assign(packed.bytes.begin() + static_cast<std::ptrdiff_t>(at),
-                           packed.bytes.begin() + static_cast<std::ptrdiff_t>(at + n));
-    part.last = at + n == packed.bytes.size();
+    proto::UploadPart part = core::jobs::upload_piece(packed, at, kUploadPiece);
+    at += part.bytes.data.size();
     st = c.ask<proto::UploadState>(std::move(part));
     if (st.error) throw Error(fmt::format("the upload failed: {}", *st.error));
-    at += n;
     if (at == packed.bytes.size() && !st.have)
       throw Error("the head did not take the whole upload; submit again");
   }

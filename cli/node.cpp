@@ -58,10 +58,11 @@ struct NodeStartOptions {
   int keep_jobs = 10000;
   int job_log_mb = 64;
   std::string dashboard;  // [ADDR:]PORT
+  std::string tls_cert, tls_key;
 };
 
-// --dashboard [ADDR:]PORT: loopback only (there is no TLS yet); ADDR defaults to 127.0.0.1.
-std::pair<std::string, int> dashboard_address(const std::string& text) {
+// --dashboard [ADDR:]PORT: ADDR defaults to 127.0.0.1; any other address only over TLS.
+std::pair<std::string, int> dashboard_address(const std::string& text, bool tls) {
   const auto colon = text.rfind(':');
   std::string host = colon == std::string::npos ? "127.0.0.1" : text.substr(0, colon);
   const std::string port = colon == std::string::npos ? text : text.substr(colon + 1);
@@ -72,11 +73,13 @@ std::pair<std::string, int> dashboard_address(const std::string& text) {
     throw ConfigError(fmt::format(
         "--dashboard {}: not [ADDR:]PORT (e.g. --dashboard 8265, or 0 for any free port)", text));
   }
-  if (host != "127.0.0.1") {
+  if (host.empty()) host = "0.0.0.0";
+  if (host != "127.0.0.1" && !tls) {
     throw ConfigError(fmt::format(
-        "--dashboard {}: the dashboard serves loopback only (127.0.0.1), since this twinkle has "
-        "no TLS for it yet; reach it from elsewhere through SSH: ssh -L {}:127.0.0.1:{} HEAD",
-        text, p == 0 ? 8265 : p, p == 0 ? 8265 : p));
+        "--dashboard {}: without TLS the dashboard serves loopback only (127.0.0.1); give "
+        "--tls-cert FILE --tls-key FILE to serve it on {} over HTTPS, or reach it from elsewhere "
+        "through SSH: ssh -L {}:127.0.0.1:{} HEAD",
+        text, host, p == 0 ? 8265 : p, p == 0 ? 8265 : p));
   }
   return {host, static_cast<int>(p)};
 }
@@ -212,8 +215,17 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
+      if (o.dashboard.empty() && (!o.tls_cert.empty() || !o.tls_key.empty()))
+        throw ConfigError("--tls-cert and --tls-key are the dashboard's: give --dashboard too");
       if (!o.dashboard.empty()) {
-        std::tie(ho.dashboard_host, ho.dashboard_port) = dashboard_address(o.dashboard);
+        if (o.tls_cert.empty() != o.tls_key.empty())
+          throw ConfigError("--tls-cert and --tls-key go together: give both, or neither");
+        std::tie(ho.dashboard_host, ho.dashboard_port) =
+            dashboard_address(o.dashboard, !o.tls_cert.empty());
+        if (!o.tls_cert.empty()) {
+          ho.dashboard_tls_cert = std::filesystem::absolute(o.tls_cert);
+          ho.dashboard_tls_key = std::filesystem::absolute(o.tls_key);
+        }
         if (const char* t = std::getenv("TWINKLE_TEST_DASHBOARD_LINK_S"))
           ho.dashboard_link_s = std::atof(t);
       }
@@ -405,8 +417,12 @@ void setup_node(CLI::App& app, Action& action) {
                    "With --head: MiB of log kept per submitted job, rotated (default 64)")
       ->check(CLI::Range(1, 1 << 20));
   start->add_option("--dashboard", o->dashboard,
-                    "With --head: serve the web dashboard on [127.0.0.1:]PORT (loopback only; "
-                    "log in with `twinkle dashboard`)");
+                    "With --head: serve the web dashboard on [ADDR:]PORT (127.0.0.1 unless "
+                    "--tls-cert and --tls-key; log in with `twinkle dashboard`)");
+  start->add_option("--tls-cert", o->tls_cert,
+                    "With --dashboard: serve HTTPS with this certificate (PEM; with --tls-key)");
+  start->add_option("--tls-key", o->tls_key,
+                    "With --dashboard: the certificate's private key (PEM)");
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");

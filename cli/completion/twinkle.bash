@@ -30,7 +30,7 @@ _twinkle_flags() {
     keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
-        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --key --authorized-keys" \
+        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key --key --authorized-keys" \
         "--head-key --insecure --daemon --pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;
@@ -77,7 +77,7 @@ _twinkle() {
       _twinkle_files --dirs "$cur"
       return
       ;;
-    --key | --authorized-keys | --head-key | --pid-file | --log-file)
+    --key | --authorized-keys | --head-key | --pid-file | --log-file | --tls-cert | --tls-key)
       _twinkle_files "" "$cur"
       return
       ;;

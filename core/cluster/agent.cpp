@@ -69,6 +69,8 @@ struct Agent::State {
   AgentOptions o;
   std::string host;
   NodeResources resources;
+  GpuMeter meter;  // the GPUs' use for each heartbeat, where NVML is there
+  std::vector<int> gpu_indices;
   std::unique_ptr<HeadLink> link;
   std::mutex mu;  // guards jobs
   std::map<std::string, std::unique_ptr<Job>> jobs;
@@ -79,6 +81,19 @@ struct Agent::State {
     if (o.log) o.log(line);
   }
 
+  // The beat, with the GPUs' use when NVML can say it (docs/ARCHITECTURE.md, Dashboard).
+  proto::Heartbeat heartbeat() {
+    proto::Heartbeat b;
+    b.node = o.node_id;
+    if (auto use = meter.sample(gpu_indices)) {
+      b.gpus.emplace();
+      for (const auto& u : *use)
+        b.gpus->push_back(
+            proto::GpuUseEntry{u.index, u.util, static_cast<std::int64_t>(u.memory_used)});
+    }
+    return b;
+  }
+
   proto::NodeRegister registration() {
     proto::NodeRegister r;
     r.node = o.node_id;
@@ -87,8 +102,8 @@ struct Agent::State {
     r.cpus = resources.cpus;
     r.memory = static_cast<std::int64_t>(resources.memory_bytes);
     for (const auto& g : resources.gpus) {
-      r.gpus.push_back(
-          proto::GpuEntry{g.index, g.name, static_cast<std::int64_t>(g.memory_bytes), g.uuid, ""});
+      r.gpus.push_back(proto::GpuEntry{g.index, g.name, static_cast<std::int64_t>(g.memory_bytes),
+                                       g.uuid, "", std::nullopt, std::nullopt});
     }
     r.labels = o.labels;
     std::lock_guard lock(mu);
@@ -309,6 +324,9 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
     s.resources.cpus = std::atoi(slurm);  // what the Slurm allocation holds on this node
   }
   s.host = s.resources.hostname;
+  // Only GPUs NVML found are sampled (declared ones it does not know).
+  if (s.resources.gpu_source == GpuSource::nvml)
+    for (const auto& g : s.resources.gpus) s.gpu_indices.push_back(g.index);
   if (s.o.node_id.empty()) s.o.node_id = s.host;
   if (s.o.node_ip.empty()) s.o.node_ip = route_source_address(endpoint_host(s.o.address));
   s.link = std::make_unique<HeadLink>(s.o.address, s.o.security, "agent/" + s.o.node_id);
@@ -320,7 +338,7 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
   s.link->start([&s](Message& m) { s.handle(m); },
                 [&s]() -> std::optional<Message> {
                   s.reap();
-                  return Message{0, proto::Heartbeat{s.o.node_id}};
+                  return Message{0, s.heartbeat()};
                 });
 }
 

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -15,10 +17,16 @@
 namespace twinkle::core::cluster {
 
 struct DashboardOptions {
-  std::string host = "127.0.0.1";  // loopback only (the CLI refuses others)
+  std::string host = "127.0.0.1";  // another than loopback only with TLS (the CLI refuses it)
   int port = 0;                    // 0: an ephemeral port
   // How long a login link is good for (TWINKLE_TEST_DASHBOARD_LINK_S changes it for the tests).
   double link_s = 60;
+  // HTTPS with this certificate and key (PEM files); both empty: HTTP.
+  std::filesystem::path tls_cert, tls_key;
+  // Bytes of the files of one submit from the page (the job service's limit on an archive).
+  std::uint64_t max_upload = 1ull << 30;
+  // Where a submit's files are put together ("": the system's temporary folder).
+  std::filesystem::path scratch_dir;
   std::function<void(const std::string&)> log;
 };
 
@@ -29,14 +37,15 @@ using HeadAsk = std::function<std::optional<transport::ClusterMessage>(
 
 class Dashboard {
  public:
-  // Listens on host:port; throws TransportError naming the address when it cannot.
+  // Listens on host:port; throws TransportError naming the address when it cannot, ConfigError
+  // naming the files when the certificate or key will not do.
   Dashboard(DashboardOptions options, HeadAsk ask);
   Dashboard(const Dashboard&) = delete;
   Dashboard& operator=(const Dashboard&) = delete;
   // Stops serving (waits for requests in flight).
   ~Dashboard();
 
-  // "http://127.0.0.1:PORT".
+  // "http://127.0.0.1:PORT" ("https://HOST:PORT" with TLS).
   std::string url() const;
   // A login link for `user`: it works once, within link_s.
   std::string grant(const std::string& user, bool admin);

@@ -64,7 +64,8 @@ struct Node {
   std::map<std::string, std::string> labels;
   bool alive = true;
   Clock::time_point last_seen = Clock::now();
-  std::int64_t registered = 0;  // unix seconds
+  std::int64_t registered = 0;                // unix seconds
+  std::map<int, proto::GpuUseEntry> gpu_use;  // by index, from the last heartbeat (NVML's)
 };
 
 struct Bundle {
@@ -291,46 +292,9 @@ struct Head::State {
     const std::optional<std::int64_t> job_id =
         (user.empty() || user == "head") && !b.dry_run ? b.job_id : std::nullopt;
     if (job_id) runs.erase(hold_id(*job_id));
-    auto reply = [&](proto::Reservation r) { send(from, Message{request, std::move(r)}); };
-    std::string why;
-    if (!schedule(capacity(false), demands, &why)) {
-      proto::Reservation r;
-      r.kind = "infeasible";
-      r.message = fmt::format("{}; {}", why, cluster_text());
-      reply(std::move(r));
-      return;
-    }
-    auto slots = schedule(capacity(true), demands, &why);
-    if (!slots) {
-      std::vector<std::string> holders;
-      for (const auto& [rid, r] : runs) {
-        if (rid == run) continue;
-        holders.push_back(
-            fmt::format("job {} (run {}, owner {}, since {})", r.job, rid, r.owner, r.since));
-      }
-      proto::Reservation r;
-      r.kind = "busy";
-      r.message = why;
-      r.holders =
-          holders.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(holders, "; "));
-      reply(std::move(r));
-      return;
-    }
     proto::Reservation r;
-    r.ok = true;
-    std::set<std::string> listed;
-    for (const auto& g : *slots) {
-      std::vector<proto::SlotEntry> list;
-      for (const auto& sl : g) {
-        list.push_back(proto::SlotEntry{sl.node, sl.gpus});
-        if (listed.insert(sl.node).second) {
-          const Node& n = nodes.at(sl.node);
-          r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
-        }
-      }
-      r.groups.push_back(std::move(list));
-    }
-    if (!b.dry_run) {
+    const auto slots = fit(run, demands, r);
+    if (slots && !b.dry_run) {
       Run& x = runs[run];
       x.id = run;
       x.job = b.job;
@@ -361,7 +325,51 @@ struct Head::State {
                        cpus, static_cast<int>(x.bundles.size()));
       }
     }
-    reply(std::move(r));
+    send(from, Message{request, std::move(r)});
+  }
+
+  // Where `demands` would go now: the slots, with `r` the answer to send (ok, its nodes and
+  // groups), or nullopt with `r` saying why not ("infeasible": never on this cluster; "busy":
+  // held by others, named). `run`'s own reservation does not count as another's.
+  // With `others_hold` false, what others hold counts as free (where it would go once it is).
+  std::optional<std::vector<std::vector<Slot>>> fit(const std::string& run,
+                                                    const std::vector<GroupDemand>& demands,
+                                                    proto::Reservation& r,
+                                                    bool others_hold = true) const {
+    std::string why;
+    if (!schedule(capacity(false), demands, &why)) {
+      r.kind = "infeasible";
+      r.message = fmt::format("{}; {}", why, cluster_text());
+      return std::nullopt;
+    }
+    auto slots = schedule(capacity(others_hold), demands, &why);
+    if (!slots) {
+      std::vector<std::string> holders;
+      for (const auto& [rid, x] : runs) {
+        if (rid == run) continue;
+        holders.push_back(
+            fmt::format("job {} (run {}, owner {}, since {})", x.job, rid, x.owner, x.since));
+      }
+      r.kind = "busy";
+      r.message = why;
+      r.holders =
+          holders.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(holders, "; "));
+      return std::nullopt;
+    }
+    r.ok = true;
+    std::set<std::string> listed;
+    for (const auto& g : *slots) {
+      std::vector<proto::SlotEntry> list;
+      for (const auto& sl : g) {
+        list.push_back(proto::SlotEntry{sl.node, sl.gpus});
+        if (listed.insert(sl.node).second) {
+          const Node& n = nodes.at(sl.node);
+          r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
+        }
+      }
+      r.groups.push_back(std::move(list));
+    }
+    return slots;
   }
 
   void on_release(const std::string& run_id, const std::optional<std::string>& outcome = {}) {
@@ -402,6 +410,10 @@ struct Head::State {
       for (const auto& g : n.gpus) {
         proto::GpuEntry x = g;
         x.run = held.count(g.index) ? held.at(g.index) : std::string();
+        if (auto u = n.gpu_use.find(g.index); u != n.gpu_use.end() && n.alive) {
+          x.util = u->second.util;
+          x.memory_used = u->second.memory_used;
+        }
         e.gpus.push_back(std::move(x));
       }
       e.labels = n.labels;
@@ -560,8 +572,23 @@ struct Head::State {
       try {
         if (a->m.get<proto::NodesQuery>()) {
           answer = Message{0, nodes_info()};
-        } else if (jobs && (a->m.get<proto::JobsQuery>() || a->m.get<proto::LogsQuery>() ||
-                            a->m.get<proto::JobStop>())) {
+        } else if (const auto* plan = a->m.get<proto::Reserve>()) {
+          // The topology's preview: where the job would go now, or, when others hold what it
+          // needs, once they no longer do (kind "busy", with the holders); nothing is reserved.
+          proto::Reservation r;
+          const auto demands = to_demands(plan->groups);
+          if (!fit("", demands, r) && r.kind == "busy") {
+            proto::Reservation later;
+            (void)fit("", demands, later, false);
+            later.kind = "busy";
+            later.message = r.message;
+            later.holders = r.holders;
+            r = std::move(later);
+          }
+          answer = Message{0, std::move(r)};
+        } else if (jobs && (a->m.get<proto::UploadCheck>() || a->m.get<proto::UploadPart>() ||
+                            a->m.get<proto::Submit>() || a->m.get<proto::JobsQuery>() ||
+                            a->m.get<proto::LogsQuery>() || a->m.get<proto::JobStop>())) {
           answer = jobs->handle(a->caller, 0, a->m);
         }
       } catch (const std::exception& e) {
@@ -615,6 +642,9 @@ struct Head::State {
             Node* n = node_by_identity(from);
             if (n && n->alive) {
               n->last_seen = Clock::now();
+              n->gpu_use.clear();
+              if (b.gpus)
+                for (const auto& u : *b.gpus) n->gpu_use[u.index] = u;
             } else {
               send(from, Message{0, proto::Reregister{}});
             }
@@ -739,6 +769,11 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
     d.host = s.options.dashboard_host;
     d.port = s.options.dashboard_port;
     d.link_s = s.options.dashboard_link_s;
+    d.tls_cert = s.options.dashboard_tls_cert;
+    d.tls_key = s.options.dashboard_tls_key;
+    d.max_upload = s.options.max_upload;
+    // The page's uploads are put together here before they go to the job service.
+    if (!s.options.state_dir.empty()) d.scratch_dir = s.options.state_dir / "dashboard";
     d.log = s.options.log;
     s.dashboard = std::make_unique<Dashboard>(
         std::move(d), [&s](const jobs::Caller& c, Message m) { return s.ask(c, std::move(m)); });

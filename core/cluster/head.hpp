@@ -36,6 +36,8 @@ struct HeadOptions {
   std::string dashboard_host = "127.0.0.1";
   int dashboard_port = -1;
   double dashboard_link_s = 60;  // how long a login link is good for
+  // HTTPS with this certificate and key (PEM); both empty: HTTP, which only loopback may use.
+  std::filesystem::path dashboard_tls_cert, dashboard_tls_key;
 };
 
 class Head {

@@ -77,7 +77,7 @@ class ClusterSite : public RemoteSite {
                     [this]() -> std::optional<Message> {
                       return Message{0, proto::Lease{run_}};
                     });
-        return to_placement(job, r);
+        return placement_of(job, r);
       }
       if (r.kind == "infeasible") {
         throw ConfigError(fmt::format("{}: the job cannot run on the cluster at {}: {}",
@@ -110,7 +110,7 @@ class ClusterSite : public RemoteSite {
                                     busy ? "does not fit now" : "cannot run", link_.address(),
                                     r.message, busy ? "; held by " + r.holders : std::string()));
     }
-    return to_placement(job, r);
+    return placement_of(job, r);
   }
 
   std::string driver_address() const override { return link_.local_address(); }
@@ -142,49 +142,6 @@ class ClusterSite : public RemoteSite {
     }
     r.groups = jobs::group_demands(job);
     return r;
-  }
-
-  // Throws TransportError when the head's answer does not fit the job (another head's build).
-  static Placement to_placement(const Job& job, const proto::Reservation& reply) {
-    if (reply.groups.size() != job.groups.size())
-      throw TransportError(fmt::format("the head placed {} group(s) for a job of {}",
-                                       reply.groups.size(), job.groups.size()));
-    Placement p;
-    std::map<std::string, int> index;
-    for (std::size_t gi = 0; gi < job.groups.size(); ++gi) {
-      GroupPlacement gp;
-      gp.group = &job.groups[gi];
-      const auto& slots = reply.groups[gi];
-      if (slots.size() != gp.group->ranks.size())
-        throw TransportError(fmt::format("the head placed {} worker(s) of group {} for {}",
-                                         slots.size(), gp.group->name, gp.group->ranks.size()));
-      for (std::size_t wi = 0; wi < slots.size(); ++wi) {
-        const auto& sl = slots[wi];
-        auto [it, fresh] = index.emplace(sl.node, static_cast<int>(p.nodes.size()));
-        if (fresh) {
-          auto where = std::find_if(reply.nodes.begin(), reply.nodes.end(),
-                                    [&](const proto::NodeAddress& n) { return n.node == sl.node; });
-          if (where == reply.nodes.end())
-            throw TransportError(
-                fmt::format("the head placed a worker on node {} without its "
-                            "address",
-                            sl.node));
-          NodeSlot slot;
-          slot.id = sl.node;
-          slot.address = where->address;
-          slot.host = fmt::format("{} {}", sl.node, slot.address);
-          p.nodes.push_back(std::move(slot));
-        }
-        WorkerPlacement w;
-        w.rank = gp.group->ranks.at(wi);
-        w.index = static_cast<int>(wi);
-        w.node = it->second;
-        w.gpus = sl.gpus;
-        gp.workers.push_back(std::move(w));
-      }
-      p.groups.push_back(std::move(gp));
-    }
-    return p;
   }
 
   void on_message(Message& m);
@@ -421,6 +378,48 @@ void ClusterSite::on_message(Message& m) {
 }
 
 }  // namespace
+
+Placement placement_of(const Job& job, const proto::Reservation& reply) {
+  if (reply.groups.size() != job.groups.size())
+    throw TransportError(fmt::format("the head placed {} group(s) for a job of {}",
+                                     reply.groups.size(), job.groups.size()));
+  Placement p;
+  std::map<std::string, int> index;
+  for (std::size_t gi = 0; gi < job.groups.size(); ++gi) {
+    GroupPlacement gp;
+    gp.group = &job.groups[gi];
+    const auto& slots = reply.groups[gi];
+    if (slots.size() != gp.group->ranks.size())
+      throw TransportError(fmt::format("the head placed {} worker(s) of group {} for {}",
+                                       slots.size(), gp.group->name, gp.group->ranks.size()));
+    for (std::size_t wi = 0; wi < slots.size(); ++wi) {
+      const auto& sl = slots[wi];
+      auto [it, fresh] = index.emplace(sl.node, static_cast<int>(p.nodes.size()));
+      if (fresh) {
+        auto where = std::find_if(reply.nodes.begin(), reply.nodes.end(),
+                                  [&](const proto::NodeAddress& n) { return n.node == sl.node; });
+        if (where == reply.nodes.end())
+          throw TransportError(
+              fmt::format("the head placed a worker on node {} without its "
+                          "address",
+                          sl.node));
+        NodeSlot slot;
+        slot.id = sl.node;
+        slot.address = where->address;
+        slot.host = fmt::format("{} {}", sl.node, slot.address);
+        p.nodes.push_back(std::move(slot));
+      }
+      WorkerPlacement w;
+      w.rank = gp.group->ranks.at(wi);
+      w.index = static_cast<int>(wi);
+      w.node = it->second;
+      w.gpus = sl.gpus;
+      gp.workers.push_back(std::move(w));
+    }
+    p.groups.push_back(std::move(gp));
+  }
+  return p;
+}
 
 std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOptions& keys) {
   return std::make_unique<ClusterSite>(address, member_security(keys, address));

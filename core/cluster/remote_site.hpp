@@ -5,6 +5,7 @@
 
 #include "core/cluster/security.hpp"
 #include "core/runtime/launcher.hpp"
+#include "transports/zmq/protocol.hpp"
 
 namespace twinkle::core::cluster {
 
@@ -15,5 +16,9 @@ std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOp
 // The same with the keys given (a cluster made for one run).
 std::unique_ptr<RemoteSite> connect_site(const std::string& address,
                                          const transport::SocketSecurity& security);
+
+// The placement of `job` that the head's reservation (or plan) `reply` gives. Throws
+// TransportError when the answer does not fit the job (another head's build).
+Placement placement_of(const Job& job, const transport::proto::Reservation& reply);
 
 }  // namespace twinkle::core::cluster

@@ -78,6 +78,10 @@ struct NvmlMemory {
   unsigned long long total, free, used;
 };
 
+struct NvmlUtilization {
+  unsigned gpu, memory;
+};
+
 std::vector<GpuInfo> nvml_gpus(std::string& driver_version, bool& available) {
   available = false;
   std::vector<GpuInfo> out;
@@ -134,6 +138,56 @@ std::uint64_t meminfo(const std::string& key) {
 }
 
 }  // namespace
+
+struct GpuMeter::Lib {
+  void* handle = nullptr;
+  int (*shutdown)() = nullptr;
+  int (*device)(unsigned, void**) = nullptr;
+  int (*utilization)(void*, NvmlUtilization*) = nullptr;
+  int (*memory)(void*, NvmlMemory*) = nullptr;
+};
+
+GpuMeter::GpuMeter() {
+  void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) return;
+  auto lib = std::make_unique<Lib>();
+  lib->handle = h;
+  auto sym = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::decay_t<decltype(fn)>>(dlsym(h, name));
+  };
+  int (*init)() = nullptr;
+  sym(init, "nvmlInit_v2");
+  sym(lib->shutdown, "nvmlShutdown");
+  sym(lib->device, "nvmlDeviceGetHandleByIndex_v2");
+  sym(lib->utilization, "nvmlDeviceGetUtilizationRates");
+  sym(lib->memory, "nvmlDeviceGetMemoryInfo");
+  if (!init || !lib->shutdown || !lib->device || !lib->utilization || !lib->memory || init() != 0) {
+    dlclose(h);
+    return;
+  }
+  lib_ = std::move(lib);
+}
+
+GpuMeter::~GpuMeter() {
+  if (!lib_) return;
+  lib_->shutdown();
+  dlclose(lib_->handle);
+}
+
+std::optional<std::vector<GpuUse>> GpuMeter::sample(const std::vector<int>& indices) {
+  if (!lib_) return std::nullopt;
+  std::vector<GpuUse> out;
+  for (int i : indices) {
+    void* dev = nullptr;
+    NvmlUtilization u{};
+    NvmlMemory m{};
+    if (i < 0 || lib_->device(static_cast<unsigned>(i), &dev) != 0 ||
+        lib_->utilization(dev, &u) != 0 || lib_->memory(dev, &m) != 0)
+      continue;  // this one said nothing now: nothing is reported for it
+    out.push_back(GpuUse{i, static_cast<int>(u.gpu), m.used});
+  }
+  return out;
+}
 
 NodeResources discover_local(std::optional<int> declared_gpus) {
   NodeResources r;

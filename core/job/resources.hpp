@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,5 +41,29 @@ std::vector<GpuInfo> parse_visible_devices(const std::string& value);
 
 // "23.4 GiB"
 std::string format_bytes(std::uint64_t bytes);
+
+// One GPU's use at a moment, as NVML reports it.
+struct GpuUse {
+  int index = 0;                  // physical (NVML's)
+  int util = 0;                   // percent of the last sample period its kernels ran
+  std::uint64_t memory_used = 0;  // bytes
+};
+
+// Samples the GPUs' use through NVML (docs/ARCHITECTURE.md, Dashboard), which it opens once and
+// keeps open. Without NVML (no driver, no GPU) there is nothing to sample: sample() is nullopt,
+// never a made-up number.
+class GpuMeter {
+ public:
+  GpuMeter();
+  GpuMeter(const GpuMeter&) = delete;
+  GpuMeter& operator=(const GpuMeter&) = delete;
+  ~GpuMeter();
+  // The use of each GPU of `indices` that NVML reports; nullopt without NVML.
+  std::optional<std::vector<GpuUse>> sample(const std::vector<int>& indices);
+
+ private:
+  struct Lib;
+  std::unique_ptr<Lib> lib_;
+};
 
 }  // namespace twinkle::core

@@ -216,4 +216,16 @@ void unpack(const fs::path& file, const fs::path& into) {
   }
 }
 
+transport::proto::UploadPart upload_piece(const PackedDir& packed, std::size_t at,
+                                          std::size_t most) {
+  const std::size_t n = std::min(most, packed.bytes.size() - std::min(at, packed.bytes.size()));
+  transport::proto::UploadPart part;
+  part.sha256 = packed.sha256;
+  part.offset = static_cast<std::int64_t>(at);
+  part.bytes.data.assign(packed.bytes.begin() + static_cast<std::ptrdiff_t>(at),
+                         packed.bytes.begin() + static_cast<std::ptrdiff_t>(at + n));
+  part.last = at + n == packed.bytes.size();
+  return part;
+}
+
 }  // namespace twinkle::core::jobs

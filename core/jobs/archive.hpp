@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "transports/zmq/protocol.hpp"
+
 // A submitted job's working directory as one archive (docs/ARCHITECTURE.md, Job service): a tar
 // made with libarchive, its entries in name order with owners cleared, so that the same folder
 // packs to the same bytes and its sha256 names it; the head keeps one copy per sha256.
@@ -23,6 +25,11 @@ struct PackedDir {
 // Throws ConfigError naming the folder, the limit and the fix when the files add up to more than
 // `limit` bytes.
 PackedDir pack_dir(const std::filesystem::path& dir, std::uint64_t limit);
+
+// The upload_part of `packed` that starts at byte `at` and holds at most `most` bytes (the last
+// one says so).
+transport::proto::UploadPart upload_piece(const PackedDir& packed, std::size_t at,
+                                          std::size_t most);
 
 // Unpacks an archive made by pack_dir into `into` (created). Refuses entries with absolute
 // paths, "..", or links that lead out of `into`; throws Error naming the entry.

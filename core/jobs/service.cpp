@@ -326,7 +326,7 @@ struct JobService::State {
     return {lines.begin(), lines.end()};
   }
 
-  proto::JobsInfo on_query(const proto::JobsQuery& q) {
+  proto::JobsInfo on_query(const Caller& who, const proto::JobsQuery& q) {
     proto::JobsInfo info;
     if (q.job) {
       const auto j = store->get(*q.job);
@@ -348,6 +348,11 @@ struct JobService::State {
       if (j->kind == "submitted") {
         std::ifstream in(job_dir(j->id) / "work" / j->job_file);
         if (in) e.job_text = std::string(std::istreambuf_iterator<char>(in), {});
+        // The archive's name lets a submit use it: only its owner (or an admin) learns it.
+        std::error_code ec;
+        if ((who.admin || (!who.user.empty() && who.user == j->user)) && !j->sha256.empty() &&
+            fs::exists(upload(j->sha256), ec))
+          e.sha256 = j->sha256;
       }
       for (const auto& a : store->audit_of(j->id))
         e.audit.push_back(proto::AuditEntry{a.time, a.user, a.action, a.from, a.detail});
@@ -746,7 +751,7 @@ Message JobService::handle(const Caller& caller, std::uint64_t request, Message&
             s.schedule_queue();  // a job that fits starts now, not at the next tick
             return answer;
           } else if constexpr (std::is_same_v<T, proto::JobsQuery>) {
-            return Message{request, s.on_query(b)};
+            return Message{request, s.on_query(caller, b)};
           } else if constexpr (std::is_same_v<T, proto::LogsQuery>) {
             return Message{request, s.on_logs(b)};
           } else if constexpr (std::is_same_v<T, proto::JobStop>) {

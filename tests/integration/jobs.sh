@@ -79,6 +79,25 @@ tag = "t"
 TOML
 }
 
+# web_session: logs in to the head's dashboard (started with --dashboard 0) with a link of
+# `twinkle dashboard`; sets WEB, auth (curl's arguments of the session) and change (those and the
+# CSRF token and Origin a change needs).
+web_session() {
+  wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
+  WEB=$(grep -o 'dashboard on http://127.0.0.1:[0-9]*' "$TMP/head.log" | tail -1 | sed 's/dashboard on //')
+  run 0 "$TWK" dashboard --address "$ADDR"
+  local link went key csrf
+  link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+  went=$(curl -s -o /dev/null -w '%{redirect_url}' -c "$TMP/jar" -H "Origin: $WEB" \
+    --data "token=${link##*token=}" "$WEB/login")
+  key=${went##*#key=}
+  auth=(-b "$TMP/jar" -H "X-Twinkle-Key: $key")
+  curl -s "${auth[@]}" "$WEB/api/v1/session" >"$TMP/session.json"
+  csrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/session.json") ||
+    fail "no session from the login link"
+  change=("${auth[@]}" -H "X-CSRF-Token: $csrf" -H "Origin: $WEB")
+}
+
 # job_field ID FIELD: a field of the job in `twinkle jobs --all --json`.
 job_field() {
   "$TWK" jobs --all --json --address "$ADDR" "${MEMBER[@]}" |
@@ -552,6 +571,8 @@ PY
       { cat "$TMP/body"; echo; fail "alice stopped bob's job"; }
     grep -q "you (alice) may stop only your own jobs" "$TMP/body" || { cat "$TMP/body"; fail "the refusal does not say why"; }
     [ "$(job_field "$id" state)" = RUNNING ] || fail "alice's refused stop changed the job"
+    [ "$(code POST "/api/v1/jobs/$id/rerun" $(web alice) -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] &&
+      grep -q "you re-run only your own" "$TMP/body" || { cat "$TMP/body"; fail "alice re-ran bob's job"; }
     login carol
     [ "$(code GET /api/v1/session $(web carol))" = 200 ] || fail "carol's session is refused"
     ccsrf=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["csrf"])' "$TMP/body")
@@ -594,6 +615,218 @@ PY
     done
     ;;
 
+  dashboard_work)
+    # The page's work through the API (issue 23): the topology's preview (errors with line and
+    # column), a submit of a folder's files (multipart) that runs, its log as Server-Sent
+    # Events, searched and downloaded, and a re-run; what a submit may not bring is refused.
+    start_head --dashboard 0
+    start_agent n1 --cpus 8
+    web_session
+    # api METHOD PATH [CURL ARGS...]: the HTTP status; the body in $TMP/body.
+    api() {
+      local m=$1 p=$2; shift 2
+      curl -s -o "$TMP/body" -w '%{http_code}' -X "$m" "${change[@]}" "$@" "$WEB/api/v1$p"
+    }
+    field() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$TMP/body" "$1"; }
+    fixture_dir t talk
+    # The preview: the diagram of `twinkle topology`, with every rank on n1.
+    python3 -c 'import json,sys; print(json.dumps({"job_file": "job.toml", "job_text": open(sys.argv[1]).read(), "overrides": ["group.b.ranks=1", "group.b.mesh.pp=1"]}))' \
+      "$TMP/t/job.toml" >"$TMP/preview.json"
+    [ "$(api POST /topology -H "Content-Type: application/json" --data @"$TMP/preview.json")" = 200 ] ||
+      { cat "$TMP/body"; fail "the preview was refused"; }
+    field text >"$TMP/topology.txt"
+    grep -q "DEVICE PLACEMENT TOPOLOGY" "$TMP/topology.txt" && grep -q "DeviceGroup: a" "$TMP/topology.txt" &&
+      grep -q "4 workers on n1" "$TMP/topology.txt" ||
+      { cat "$TMP/topology.txt"; fail "the preview is not the job's topology on n1"; }
+    grep -q "Ranks       : \[4\] " "$TMP/topology.txt" ||
+      { cat "$TMP/topology.txt"; fail "the preview did not take the override group.b.ranks=1"; }
+    # A job file with a mistake: the error names the file, line and column.
+    printf '[job]\nname = "x"\nplugin = 7\n' >"$TMP/bad.toml"
+    python3 -c 'import json,sys; print(json.dumps({"job_file": "sub/job.toml", "job_text": open(sys.argv[1]).read()}))' \
+      "$TMP/bad.toml" >"$TMP/preview.json"
+    [ "$(api POST /topology -H "Content-Type: application/json" --data @"$TMP/preview.json")" = 400 ] ||
+      { cat "$TMP/body"; fail "a job file with a mistake was previewed"; }
+    grep -q '"error":"sub/job.toml:3:' "$TMP/body" || { cat "$TMP/body"; fail "the error lacks file:line:col"; }
+    # A submit from the form: the folder's files, each part named in meta.paths.
+    mkdir -p "$TMP/t/data"
+    echo "some data" >"$TMP/t/data/input.txt"
+    meta='{"job_file": "job.toml", "name": "from-web", "overrides": ["args.tag=web"], "paths": ["job.toml", "data/input.txt"]}'
+    [ "$(api POST /submit -F "meta=$meta" -F "file=@$TMP/t/job.toml" -F "file=@$TMP/t/data/input.txt")" = 200 ] ||
+      { cat "$TMP/body"; fail "the form's submit was refused"; }
+    id=$(field job)
+    wait_state "$id" SUCCEEDED 60
+    [ "$(job_field "$id" name)" = from-web ] || fail "the submit's name was not kept"
+    [ "$(job_field "$id" overrides)" = "['args.tag=web']" ] || fail "the submit's overrides were not kept: $(job_field "$id" overrides)"
+    sha=$(curl -s "${auth[@]}" "$WEB/api/v1/jobs/$id" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("sha256",""))')
+    [ -n "$sha" ] && [ -f "$STATE/uploads/$sha.tar" ] || fail "the head does not hold the submit's working directory"
+    tar -tf "$STATE/uploads/$sha.tar" | grep -qx "data/input.txt" || fail "the archive lacks data/input.txt"
+    # The log as Server-Sent Events: every line, then "end" (the job has ended).
+    timeout 20 curl -s -N "${auth[@]}" "$WEB/api/v1/jobs/$id/events" >"$TMP/events" ||
+      { cat "$TMP/events"; fail "the event stream did not end with the job"; }
+    grep -q '^event: log$' "$TMP/events" && grep -q '^event: end$' "$TMP/events" ||
+      { cat "$TMP/events"; fail "the stream lacks its log and end events"; }
+    python3 - "$TMP/events" >"$TMP/streamed" <<'PY' || fail "the stream's events do not read"
+import json, sys
+event = None
+for line in open(sys.argv[1]):
+    line = line.rstrip("\n")
+    if line.startswith("event: "): event = line[7:]
+    elif line.startswith("data: ") and event == "log": sys.stdout.write(json.loads(line[6:])["text"])
+PY
+    run 0 "$TWK" logs "$id" --address "$ADDR"
+    cmp -s "$TMP/streamed" "$TMP/out" || { diff "$TMP/streamed" "$TMP/out"; fail "the stream is not the job's log"; }
+    timeout 20 curl -s -N "${auth[@]}" "$WEB/api/v1/jobs/$id/events?rank=a:2" >"$TMP/events"
+    [ "$(grep -c 'SAY a:2 line' "$TMP/events")" -eq 1 ] && ! grep -q "SAY a:1" "$TMP/events" ||
+      { cat "$TMP/events"; fail "rank=a:2 streams other ranks' lines"; }
+    # Search: the count, and the lines around each match.
+    [ "$(api GET "/jobs/$id/search?q=SAY%20a:2%20line&context=1")" = 200 ] || { cat "$TMP/body"; fail "the search was refused"; }
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); m=r["matches"]
+sys.exit(0 if r["count"]==3 and r["shown"]==3 and all("SAY a:2 line" in x["text"] and len(x["before"])==1 for x in m) else 1)' "$TMP/body" ||
+      { cat "$TMP/body"; fail "the search did not find a:2's 3 lines with a line before each"; }
+    [ "$(api GET "/jobs/$id/search?q=line&rank=a:1")" = 200 ] && [ "$(field count)" = 3 ] ||
+      { cat "$TMP/body"; fail "the search with rank=a:1 did not count its 3 lines"; }
+    # The text is plain text: "(a*)*b" is looked for as it is, and cannot make a search slow.
+    [ "$(api GET "/jobs/$id/search?q=(a*)*b")" = 200 ] && [ "$(field count)" = 0 ] ||
+      { cat "$TMP/body"; fail "q=(a*)*b was not searched for as text"; }
+    [ "$(api GET "/jobs/$id/search")" = 400 ] || { cat "$TMP/body"; fail "a search without q was taken"; }
+    # Download: the whole log as a file.
+    curl -s -D "$TMP/headers" -o "$TMP/download" "${auth[@]}" "$WEB/api/v1/jobs/$id/log"
+    grep -qi "content-disposition: attachment; filename=\"job-$id.log\"" "$TMP/headers" ||
+      { cat "$TMP/headers"; fail "the download is not an attachment job-$id.log"; }
+    cmp -s "$TMP/download" "$TMP/out" || fail "the download is not the job's log"
+    # Re-run: the same working directory and overrides, a new job that runs.
+    [ "$(api POST "/jobs/$id/rerun" -H "Content-Type: application/json" --data '{}')" = 200 ] ||
+      { cat "$TMP/body"; fail "the re-run was refused"; }
+    again=$(field job)
+    [ "$again" != "$id" ] || fail "the re-run has the job's own id"
+    wait_state "$again" SUCCEEDED 60
+    [ "$(job_field "$again" overrides)" = "['args.tag=web']" ] || fail "the re-run lost the overrides"
+    [ "$(job_field "$again" name)" = from-web ] || fail "the re-run lost the name"
+    # What a submit may not bring.
+    [ "$(api POST /submit -F 'meta={"job_file": "job.toml", "paths": ["../escape.toml"]}' -F "file=@$TMP/t/job.toml")" = 400 ] &&
+      grep -q "not a path inside the working directory" "$TMP/body" || { cat "$TMP/body"; fail "a path out of the folder was taken"; }
+    [ ! -e "$STATE/dashboard/escape.toml" ] && [ ! -e "$STATE/escape.toml" ] || fail "a file was written outside the upload"
+    [ "$(api POST /submit -F 'meta={"job_file": "other.toml", "paths": ["job.toml"]}' -F "file=@$TMP/t/job.toml")" = 400 ] &&
+      grep -q 'the job file \\"other.toml\\" is not among the files sent' "$TMP/body" || { cat "$TMP/body"; fail "a missing job file was not refused"; }
+    [ "$(api POST /submit -F "file=@$TMP/t/job.toml")" = 400 ] || { cat "$TMP/body"; fail "a form without meta was taken"; }
+    [ "$(api POST /submit -F 'meta={"paths": ["job.toml"]}' -F "file=@$TMP/bad.toml;filename=job.toml")" = 400 ] &&
+      grep -q 'job.toml:3:' "$TMP/body" || { cat "$TMP/body"; fail "a job file with a mistake was queued"; }
+    head -c 100000 /dev/zero >"$TMP/big"
+    [ "$(api POST "/jobs/$id/stop" -H "Content-Type: application/json" --data-binary @"$TMP/big")" = 413 ] ||
+      { cat "$TMP/body"; fail "a 100 kB body to stop was read"; }
+    [ "$(api PUT /submit --data-binary @"$TMP/big")" = 413 ] || { cat "$TMP/body"; fail "a PUT took the submit's limit"; }
+    [ "$(api POST "/jobs/$id/stop" -H "Content-Encoding: gzip" --data-binary '{}')" = 415 ] ||
+      { cat "$TMP/body"; fail "a compressed body was taken"; }
+    [ "$(curl -s -o "$TMP/body" -w '%{http_code}' "${change[@]}" -X POST -H "Content-Length:" "$WEB/api/v1/jobs/$id/stop")" = 411 ] ||
+      { cat "$TMP/body"; fail "a POST without a Content-Length was read"; }
+    # A line that is not UTF-8 reaches the live log (as U+FFFD), and the head lives on.
+    fixture_dir r relay
+    sed -i "s|^tag = \"t\"|tag = \"t\"\nrelay_file = \"$TMP/relay\"|" "$TMP/r/job.toml"
+    relay=$(submit_id "$TMP/r/job.toml")
+    wait_state "$relay" RUNNING 30
+    printf 'bytes \377\376 here\n' >"$TMP/relay"
+    # (grep stops at the line, and curl then ends on SIGPIPE: only grep's status counts.)
+    { timeout 20 curl -s -N "${auth[@]}" "$WEB/api/v1/jobs/$relay/events" || true; } |
+      grep -a -m1 "RELAY bytes" >"$TMP/relayed" || fail "the line that is not UTF-8 did not reach the live log"
+    grep -q $'RELAY bytes \xef\xbf\xbd\xef\xbf\xbd here' "$TMP/relayed" || { cat -v "$TMP/relayed"; fail "the bytes did not become U+FFFD"; }
+    [ "$(api GET /session)" = 200 ] || fail "the dashboard is gone after a line that is not UTF-8"
+    run 0 "$TWK" stop "$relay" --now --address "$ADDR"
+    wait_state "$relay" STOPPED 30
+    [ -z "$(ls -A "$STATE/dashboard" 2>/dev/null)" ] || { ls -R "$STATE/dashboard"; fail "the submits left files behind"; }
+    ;;
+
+  dashboard_tls)
+    # Another address than loopback only over HTTPS: with a certificate the dashboard serves
+    # https on 127.0.0.2 (logins, Secure cookies); without one, or with a bad one, the head
+    # refuses to start and says how.
+    run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 127.0.0.2:0 --state-dir "$TMP/s2"
+    expect_err "give --tls-cert FILE --tls-key FILE"
+    echo "not a certificate" >"$TMP/junk.pem"
+    run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 127.0.0.2:0 --tls-cert "$TMP/junk.pem" \
+      --tls-key "$TMP/junk.pem" --state-dir "$TMP/s2"
+    expect_err "not a PEM certificate and its private key"
+    run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 127.0.0.2:0 --tls-cert "$TMP/junk.pem" --state-dir "$TMP/s2"
+    expect_err "--tls-cert and --tls-key go together"
+    command -v openssl >/dev/null || { echo "openssl is missing"; exit 77; }
+    openssl req -x509 -newkey rsa:2048 -nodes -days 1 -keyout "$TMP/key.pem" -out "$TMP/cert.pem" \
+      -subj /CN=127.0.0.2 -addext subjectAltName=IP:127.0.0.2 2>"$TMP/openssl.err" ||
+      { cat "$TMP/openssl.err"; fail "openssl made no certificate"; }
+    start_head --dashboard 127.0.0.2:0 --tls-cert "$TMP/cert.pem" --tls-key "$TMP/key.pem"
+    wait_for "$TMP/head.log" "dashboard on https://127.0.0.2:" 10
+    WEB=$(grep -o 'dashboard on https://127.0.0.2:[0-9]*' "$TMP/head.log" | tail -1 | sed 's/dashboard on //')
+    run 0 "$TWK" dashboard --address "$ADDR"
+    link=$(grep -o 'https://127.0.0.2:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+    [ -n "$link" ] || { cat "$TMP/out"; fail "twinkle dashboard printed no https link"; }
+    [ "$(curl -s --cacert "$TMP/cert.pem" -o "$TMP/body" -w '%{http_code}' "$link")" = 200 ] ||
+      fail "the https login link does not answer"
+    curl -s -D "$TMP/headers" -o /dev/null --cacert "$TMP/cert.pem" -H "Origin: $WEB" \
+      --data "token=${link##*token=}" "$WEB/login"
+    grep -qi '^set-cookie: twinkle_session_[0-9]*=[0-9a-f]*; HttpOnly; SameSite=Strict; Path=/; Secure' "$TMP/headers" ||
+      { cat "$TMP/headers"; fail "the session cookie over https is not Secure"; }
+    # The Origin of a page of this server is https://, not http://.
+    run 0 "$TWK" dashboard --address "$ADDR"
+    link=$(grep -o 'https://127.0.0.2:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+    [ "$(curl -s --cacert "$TMP/cert.pem" -o "$TMP/body" -w '%{http_code}' -H "Origin: http://${WEB#https://}" \
+      --data "token=${link##*token=}" "$WEB/login")" = 403 ] || fail "an http:// Origin logged in over https"
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://${WEB#https://}/")" != 200 ] || fail "plain http was served"
+    ;;
+
+  dashboard_gpu)
+    # GPU use as the agents sample it through NVML: here the tests' stand-in libnvidia-ml.so.1
+    # (tests/fixtures/nvml), loaded by node g1's agent only, reporting what $TMP/nvml says. The
+    # cluster view and /metrics show each GPU's use and follow it as it changes, with the run
+    # holding it; a node without NVML shows none (never a made-up number).
+    NVML_DIR="$(dirname "$PLUGIN")/nvml"
+    [ -f "$NVML_DIR/libnvidia-ml.so.1" ] || fail "no $NVML_DIR/libnvidia-ml.so.1: build the tests"
+    printf '37 1073741824\n5 0\n' >"$TMP/nvml"
+    start_head --dashboard 0
+    start_agent n1 --cpus 4
+    TWINKLE_FAKE_NVML="$TMP/nvml" LD_LIBRARY_PATH="$NVML_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      start_agent g1 --cpus 4
+    web_session
+    # gpu_use NODE INDEX: "UTIL MEMORY_USED RUN" of that GPU in the cluster view ("none" unsampled).
+    gpu_use() {
+      curl -s "${auth[@]}" "$WEB/api/v1/cluster" | python3 -c 'import json,sys
+n = {x["id"]: x for x in json.load(sys.stdin)["nodes"]}[sys.argv[1]]
+g = [g for g in n["gpus"] if g["index"] == int(sys.argv[2])]
+print("none" if not g or "util" not in g[0] else "%d %d %s" % (g[0]["util"], g[0]["memory_used"], g[0]["run"] or "-"))' "$1" "$2"
+    }
+    # until_use NODE INDEX WANT: waits (10 s at most) for the GPU's use to read WANT.
+    until_use() {
+      local deadline=$((SECONDS + 10)) got
+      while got=$(gpu_use "$1" "$2"); [ "$got" != "$3" ]; do
+        [ $SECONDS -lt $deadline ] || fail "GPU $2 of $1 reads \"$got\", not \"$3\", after 10 s"
+        sleep 0.1
+      done
+    }
+    until_use g1 0 "37 1073741824 -"
+    until_use g1 1 "5 0 -"
+    run 0 "$TWK" nodes --json --address "$ADDR"
+    python3 -c 'import json,sys; n={x["id"]: x for x in json.load(open(sys.argv[1]))["nodes"]}
+sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1"] and n["n1"]["gpus"] == [] else 1)' "$TMP/out" ||
+      { cat "$TMP/out"; fail "g1 does not have the 2 GPUs NVML lists, or n1 has GPUs"; }
+    curl -s "${auth[@]}" "$WEB/metrics" >"$TMP/metrics"
+    for m in 'twinkle_gpu_utilization_percent{node="g1",gpu="0",run=""} 37' \
+             'twinkle_gpu_memory_used_bytes{node="g1",gpu="0",run=""} 1073741824' \
+             'twinkle_gpu_utilization_percent{node="g1",gpu="1",run=""} 5'; do
+      grep -qxF "$m" "$TMP/metrics" || { cat "$TMP/metrics"; fail "/metrics lacks: $m"; }
+    done
+    ! grep -q 'node="n1"' "$TMP/metrics" || fail "/metrics reports GPU use for n1, which samples none"
+    # A job on one GPU of g1: the GPU's use is that run's, and follows what NVML says.
+    fixture_dir h hang
+    sed -i 's/^ranks = 4$/ranks = 1\ndevice = "cuda"/; s/^mesh = { dp = 2, tp = 2 }$/mesh = { dp = 1 }/' "$TMP/h/job.toml"
+    id=$(submit_id "$TMP/h/job.toml")
+    wait_state "$id" RUNNING 30
+    run_id=$(job_field "$id" run)
+    printf '81 2147483648\n5 0\n' >"$TMP/nvml"
+    until_use g1 0 "81 2147483648 $run_id"
+    curl -s "${auth[@]}" "$WEB/metrics" >"$TMP/metrics"
+    grep -qxF "twinkle_gpu_utilization_percent{node=\"g1\",gpu=\"0\",run=\"$run_id\"} 81" "$TMP/metrics" ||
+      { cat "$TMP/metrics"; fail "/metrics lacks the job's GPU at 81%"; }
+    run 0 "$TWK" stop "$id" --now --address "$ADDR"
+    wait_state "$id" STOPPED 30
+    ;;
+
   dashboard_browser)
     # The dashboard in Debian's chromium, driven by playwright-core (tests/browser/dashboard.mjs):
     # log in with the link, 3 nodes on the Cluster view, a running job on the Jobs view, a line
@@ -609,17 +842,25 @@ PY
     mkdir -p "$SHOTS"
     start_head --dashboard 0
     wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
-    for n in n1 n2 n3; do start_agent "$n" --cpus 4; done
+    for n in n1 n2; do start_agent "$n" --cpus 4; done
+    # n3 samples 2 GPUs through the tests' stand-in NVML (see dashboard_gpu).
+    printf '37 1073741824\n5 0\n' >"$TMP/nvml"
+    NVML_DIR="$(dirname "$PLUGIN")/nvml"
+    TWINKLE_FAKE_NVML="$TMP/nvml" LD_LIBRARY_PATH="$NVML_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      start_agent n3 --cpus 4
     fixture_dir r relay
     sed -i "s|^tag = \"t\"|tag = \"t\"\nrelay_file = \"$TMP/relay\"|" "$TMP/r/job.toml"
     id=$(submit_id "$TMP/r/job.toml")
     wait_state "$id" RUNNING 30
+    # The hello example's folder, which the page's form uploads.
+    mkdir -p "$TMP/hello"
+    cp "$SRC/examples/hello/job.toml" "$EXAMPLES/hello/libhello.so" "$TMP/hello/"
     run 0 "$TWK" dashboard --address "$ADDR"
     link=$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
-    node "$BROWSER/dashboard.mjs" "$link" "$id" "$TMP/relay" "$SHOTS" n1 n2 n3 ||
+    node "$BROWSER/dashboard.mjs" "$link" "$id" "$TMP/relay" "$SHOTS" "$TMP/hello" n1 n2 n3 ||
       { cat "$TMP/head.log"; fail "the browser test failed"; }
     wait_state "$id" STOPPED 20
-    for f in cluster jobs job job-stopped cluster-after-stop; do
+    for f in cluster jobs job job-stopped cluster-after-stop submit job-hello search rerun; do
       [ -s "$SHOTS/$f.png" ] || fail "no screenshot $f.png"
     done
     ;;

@@ -191,7 +191,7 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
     CHECK(error_of(std::move(gap)) == "malformed message: unknown type 17");
   }
   SECTION("a cluster message on a control socket, and the other way round") {
-    Frames f = encode_message(ClusterMessage{0, proto::Heartbeat{"n"}});
+    Frames f = encode_message(ClusterMessage{0, proto::Heartbeat{"n", std::nullopt}});
     CHECK(error_of(std::move(f)) ==
           "malformed message: a heartbeat message is not expected on this socket");
     CHECK_THROWS_WITH(decode_cluster_message(reply_frames()),

@@ -353,10 +353,28 @@ struct GpuEntry {
   std::int64_t memory = 0;  // bytes
   std::string uuid;
   std::string run;  // nodes_info: the run that holds it ("" free)
+  // nodes_info: its use in the node's last heartbeat, when its agent samples NVML.
+  std::optional<int> util;                  // percent
+  std::optional<std::int64_t> memory_used;  // bytes
   static constexpr auto fields() {
-    return std::tuple{field("index", &GpuEntry::index), field("name", &GpuEntry::name),
-                      field("memory", &GpuEntry::memory), field("uuid", &GpuEntry::uuid),
-                      field("run", &GpuEntry::run)};
+    return std::tuple{field("index", &GpuEntry::index),
+                      field("name", &GpuEntry::name),
+                      field("memory", &GpuEntry::memory),
+                      field("uuid", &GpuEntry::uuid),
+                      field("run", &GpuEntry::run),
+                      field("util", &GpuEntry::util),
+                      field("memory_used", &GpuEntry::memory_used)};
+  }
+};
+
+// One GPU's use, sampled through NVML.
+struct GpuUseEntry {
+  int index = 0;
+  int util = 0;                  // percent
+  std::int64_t memory_used = 0;  // bytes
+  static constexpr auto fields() {
+    return std::tuple{field("index", &GpuUseEntry::index), field("util", &GpuUseEntry::util),
+                      field("memory_used", &GpuUseEntry::memory_used)};
   }
 };
 
@@ -401,7 +419,11 @@ struct NodeWelcome {
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::heartbeat;
   std::string node;
-  static constexpr auto fields() { return std::tuple{field("node", &Heartbeat::node)}; }
+  // Its GPUs' use now; absent where the agent has no NVML to ask.
+  std::optional<std::vector<GpuUseEntry>> gpus;
+  static constexpr auto fields() {
+    return std::tuple{field("node", &Heartbeat::node), field("gpus", &Heartbeat::gpus)};
+  }
 };
 
 // head -> agent: the head does not know this agent (it restarted).
@@ -842,6 +864,7 @@ struct JobEntry {
   std::vector<std::string> summary;  // the last lines of its log
   std::vector<AuditEntry> audit;
   std::optional<std::string> job_text;  // its job file (submitted jobs), for the topology
+  std::optional<std::string> sha256;    // its working directory's archive, while the head has it
   static constexpr auto fields() {
     return std::tuple{field("id", &JobEntry::id),
                       field("name", &JobEntry::name),
@@ -868,7 +891,8 @@ struct JobEntry {
                       field("placement", &JobEntry::placement),
                       field("summary", &JobEntry::summary),
                       field("audit", &JobEntry::audit),
-                      field("job_text", &JobEntry::job_text)};
+                      field("job_text", &JobEntry::job_text),
+                      field("sha256", &JobEntry::sha256)};
   }
 };
 

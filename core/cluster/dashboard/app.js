@@ -29,16 +29,41 @@ function table(headers, rows) {
     ...rows.map((r) => el("tr", {}, ...r.map((c) => el("td", {}, c)))));
 }
 
+function auth() { return { "X-Twinkle-Key": localStorage.getItem("twinkle_key") || "" }; }
+
+// The error a refused response carries ({"error": ...}), or its status line.
+async function refusal(res) {
+  const body = await res.json().catch(() => ({}));
+  return new Error(body.error || res.statusText || `HTTP ${res.status}`);
+}
+
 async function api(path, options) {
   const o = Object.assign({}, options || {});
-  o.headers = Object.assign({ "X-Twinkle-Key": localStorage.getItem("twinkle_key") || "" }, o.headers || {});
+  o.headers = Object.assign(auth(), o.headers || {});
   const res = await fetch("/api/v1" + path, o);
   const body = await res.json().catch(() => ({ error: res.statusText }));
   if (!res.ok) throw new Error(body.error || res.statusText);
   return body;
 }
 
+// A change: JSON with the session's CSRF token (the browser adds the page's Origin itself).
+function post(path, body) {
+  return api(path, { method: "POST", headers: {
+    "Content-Type": "application/json", "X-CSRF-Token": session.csrf }, body: JSON.stringify(body) });
+}
+
 function when(t) { return t ? new Date(t * 1000).toLocaleString() : "-"; }
+
+function bytes(n) {
+  const units = ["bytes", "KiB", "MiB", "GiB"];
+  let i = 0;
+  for (; n >= 1024 && i + 1 < units.length; ++i) n /= 1024;
+  return i ? `${n.toFixed(1)} ${units[i]}` : `${n} bytes`;
+}
+
+function plural(n, word) { return `${n} ${word}${n === 1 ? "" : "s"}`; }
+
+function sleep(ms) { return new Promise((done) => setTimeout(done, ms)); }
 
 // Shows the view that route() number `mine` made, unless a newer route() started meanwhile.
 function show(mine, ...nodes) {
@@ -47,18 +72,35 @@ function show(mine, ...nodes) {
   main.replaceChildren(...nodes);
 }
 
+// A node's GPU use as its agent last sampled it through NVML; said so where nothing samples it.
+function gpu_use(n) {
+  if (!n.gpus.length) return "-";
+  const sampled = n.gpus.filter((g) => g.util !== undefined);
+  if (!sampled.length) return n.state === "ALIVE" ? "not sampled (no NVML on this node)" : "-";
+  return sampled.map((g) => `GPU ${g.index}: ${g.util}%, ${bytes(g.memory_used || 0)}` +
+    (g.memory ? ` of ${bytes(g.memory)}` : "")).join("; ");
+}
+
+// The use of a rank's GPUs now: "37%, 5%" (the cluster's last samples), or "-".
+function rank_gpu_use(c, r) {
+  const n = c && c.nodes.find((x) => x.id === r.node);
+  if (!n || !(r.gpus || []).length) return "-";
+  const use = r.gpus.map((i) => n.gpus.find((g) => g.index === i)).filter((g) => g && g.util !== undefined);
+  return use.length ? use.map((g) => `${g.util}%, ${bytes(g.memory_used || 0)}`).join("; ") : "not sampled";
+}
+
 async function cluster(mine) {
   const c = await api("/cluster");
   const nodes = c.nodes.map((n) => [n.id, n.host, el("span", { class: "state-" + n.state }, n.state),
     n.heartbeat_age_s.toFixed(1) + " s", `${n.cpus - n.cpus_free} / ${n.cpus}`,
     `${n.gpus.filter((g) => g.run).length} / ${n.gpus.length}` +
       (n.gpus.length ? " (" + [...new Set(n.gpus.map((g) => g.name))].join(", ") + ")" : ""),
-    (n.memory / 2 ** 30).toFixed(1) + " GiB",
+    gpu_use(n), (n.memory / 2 ** 30).toFixed(1) + " GiB",
     Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ")]);
   const res = c.reservations.map((r) => [r.run, r.job, r.owner,
     r.bundles.map((b) => `${b.node}: ${b.cpus} CPUs` + (b.gpus.length ? `, GPUs ${b.gpus.join(",")}` : "")).join("; ")]);
   show(mine, el("h2", {}, `Nodes (${c.nodes.length})`),
-    table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "memory", "labels"], nodes),
+    table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "GPU use (NVML)", "memory", "labels"], nodes),
     el("h2", {}, `Reservations (${c.reservations.length})`),
     table(["run", "job", "user", "devices"], res));
 }
@@ -90,64 +132,442 @@ async function jobs(mine, params) {
     list.page < pages ? el("a", { href: "#/jobs?" + new URLSearchParams({ ...Object.fromEntries(params), page: list.page + 1 }) }, "older »") : "");
 }
 
-let log = { job: 0, offset: 0, text: "" };
+// ---- A job's page ----------------------------------------------------------------------------
+// Built once per job id: the 1 s refresh redraws only its info part, so the live log, the filter
+// and a search in progress stay as they are. `stream` aborts the log's event stream.
+let job_page = null;  // {id, root, info, rank, ranks, pre, status, stream, offset, last, ...}
+
+function close_job() {
+  if (job_page && job_page.stream) job_page.stream.abort();
+  job_page = null;
+}
 
 async function job(mine, id) {
   const j = await api(`/jobs/${id}`);
-  if (log.job !== id) log = { job: id, offset: 0, text: "" };
-  const pre = el("pre", { class: "log", id: "log" }, log.text);
-  const stop = async (now) => {
-    try {
-      const r = await api(`/jobs/${id}/stop`, { method: "POST", headers: {
-        "Content-Type": "application/json", "X-CSRF-Token": session.csrf },
-        body: JSON.stringify({ now }) });
-      alert(r.text);
-    } catch (e) { alert(e.message); }
-    route();
-  };
-  const active = j.state === "QUEUED" || j.state === "RUNNING";
-  const placement = (j.placement || []).map((p) => [p.group + ":" + p.rank, p.node, (p.gpus || []).join(",") || "-"]);
-  show(mine, el("h2", {}, `Job ${j.id}: ${j.name}`),
-    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "GPU-seconds"],
-      [[j.user, el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
-        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries, (j.gpu_seconds || 0).toFixed(0)]]),
-    active && j.kind === "submitted" ? el("p", {}, el("button", { onclick: () => stop(false) }, "Stop"),
-      el("button", { onclick: () => stop(true) }, "Stop now")) : "",
-    j.reason ? el("p", {}, j.reason) : "",
-    el("h2", {}, "Where every rank ran"), table(["rank", "node", "GPUs"], placement),
-    el("h2", {}, "Log"), pre);
-  if (mine === generation) await more_log(id);
+  // A running job's GPUs: their use now, from the nodes' last samples.
+  if (j.state === "RUNNING" && (j.placement || []).some((r) => (r.gpus || []).length))
+    j.gpu_use = await api("/cluster").catch(() => null);
+  if (mine !== generation) return;
+  if (!job_page || job_page.id !== id || !job_page.root.isConnected) {
+    close_job();
+    job_page = job_layout(id);
+    show(mine, job_page.root);
+    follow_log(job_page);
+  }
+  job_info(job_page, j);
 }
 
-async function more_log(id) {
-  for (let i = 0; i < 20; ++i) {
-    const from = log.offset;
-    const c = await api(`/jobs/${id}/logs?offset=${from}`);
-    if (log.job !== id || log.offset !== from) return;  // another view read it meanwhile
-    log.text += c.text;
-    log.offset = c.offset;
-    const pre = document.getElementById("log");
-    if (pre) { pre.textContent = log.text; pre.scrollTop = pre.scrollHeight; }
-    if (!c.more) break;
+function job_layout(id) {
+  const p = { id, stream: null, offset: 0, last: "", which: "", ranks: "", searches: 0 };
+  p.summary = el("div", {});
+  p.buttons = el("p", { class: "buttons" });
+  p.details = el("div", {});
+  p.info = el("div", { id: "job-info" }, p.summary, p.buttons, p.details);
+  p.rank = el("select", { id: "log-rank", onchange: () => follow_log(p) },
+    el("option", { value: "" }, "all"), el("option", { value: "driver" }, "driver"));
+  p.status = el("span", { id: "log-status" });
+  p.pre = el("pre", { class: "log", id: "log" });
+  p.query = el("input", { id: "log-search", placeholder: "text to find", size: 30 });
+  p.context = el("input", { type: "number", id: "log-context", value: 2, min: 0, max: 20 });
+  p.count = el("p", { id: "search-count" });
+  p.matches = el("div", { id: "search-results" });
+  p.root = el("section", { id: "job", "data-id": String(id) }, p.info,
+    el("h2", {}, "Log"),
+    el("div", { class: "tools" }, el("label", {}, "Lines of ", p.rank),
+      el("button", { id: "log-download", onclick: () => download_log(p) }, "Download"), p.status),
+    p.pre,
+    el("h2", {}, "Search the log"),
+    el("form", { class: "tools", onsubmit: (e) => { e.preventDefault(); search_log(p); } },
+      p.query, el("label", {}, "lines around ", p.context), el("button", { type: "submit" }, "Search")),
+    p.count, p.matches);
+  return p;
+}
+
+// The info part: redrawn only when the job changed. The buttons have a part of their own, redrawn
+// only when which of them apply changes, so one under the pointer stays put while a job runs.
+function job_info(p, j) {
+  const text = JSON.stringify(j);
+  if (text === p.last) return;
+  p.last = text;
+  const placement = (j.placement || []).map((r) => [r.group + ":" + r.rank, r.node, (r.gpus || []).join(",") || "-",
+    j.gpu_use ? rank_gpu_use(j.gpu_use, r) : "-"]);
+  const about = [j.job_file ? `job file ${j.job_file}` : "",
+    (j.overrides || []).length ? "overrides " + j.overrides.join(" ") : "",
+    j.sha256 ? `sha256 ${j.sha256}` : ""].filter((s) => s);
+  p.summary.replaceChildren(el("h2", {}, `Job ${j.id}: ${j.name}`),
+    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "GPU-seconds"],
+      [[j.user, el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
+        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries, (j.gpu_seconds || 0).toFixed(0)]]));
+  job_buttons(p, j);
+  p.details.replaceChildren(j.reason ? el("p", {}, j.reason) : "",
+    about.length ? el("p", { class: "dim" }, about.join("; ")) : "",
+    el("h2", {}, "Where every rank ran"), table(["rank", "node", "GPUs", "GPU use now"], placement));
+  rank_options(p, placement.map((r) => r[0]));
+}
+
+// Stop and Stop now while a submitted job is active; Re-run for a submitted job the head kept
+// the job file of (whoever may: the head refuses another member's job to a non-admin).
+function job_buttons(p, j) {
+  const stoppable = j.kind === "submitted" && (j.state === "QUEUED" || j.state === "RUNNING");
+  const rerunnable = j.kind === "submitted" && Boolean(j.job_text);
+  const which = `${stoppable} ${rerunnable}`;
+  if (which === p.which) return;
+  p.which = which;
+  p.buttons.replaceChildren(
+    ...(stoppable ? [el("button", { onclick: () => stop(j.id, false) }, "Stop"),
+      el("button", { onclick: () => stop(j.id, true) }, "Stop now")] : []),
+    rerunnable ? el("button", { id: "rerun", onclick: () => { location.hash = `#/submit?rerun=${j.id}`; } }, "Re-run") : "");
+  p.buttons.hidden = !stoppable && !rerunnable;
+}
+
+// The filter's ranks follow the placement (empty while queued) and keep the chosen one.
+function rank_options(p, ranks) {
+  const names = [...new Set(ranks)];
+  if (names.join(" ") === p.ranks) return;
+  p.ranks = names.join(" ");
+  const chosen = p.rank.value;
+  p.rank.replaceChildren(el("option", { value: "" }, "all"), el("option", { value: "driver" }, "driver"),
+    ...names.map((n) => el("option", { value: n }, n)));
+  p.rank.value = chosen;
+  if (p.rank.value !== chosen) { p.rank.value = ""; follow_log(p); }  // its rank is gone: all of it
+}
+
+async function stop(id, now) {
+  try {
+    const r = await post(`/jobs/${id}/stop`, { now });
+    alert(r.text);
+  } catch (e) { alert(e.message); }
+  if (job_page && job_page.id === id) route();  // still on its page: show what changed
+}
+
+// The query of the chosen filter: one rank's lines, the driver's, or all.
+function log_filter(p) {
+  const v = p.rank.value;
+  return v === "driver" ? { driver: "1" } : v ? { rank: v } : {};
+}
+
+function log_status(p, state, text) {
+  p.status.dataset.state = state;
+  p.status.className = state === "error" ? "error" : "dim";
+  p.status.textContent = text;
+}
+
+// (Re)starts the live log from its beginning with the chosen filter; the stream before stops.
+function follow_log(p) {
+  if (p.stream) p.stream.abort();
+  const ctl = new AbortController();
+  p.stream = ctl;
+  p.offset = 0;
+  p.pre.textContent = "";
+  log_status(p, "connecting", "Connecting…");  // not the stream before's "ended"
+  read_events(p, ctl, log_filter(p));
+}
+
+// Reads the stream until it ends; one that drops without its `end` (the network, a restarted
+// head) resumes after 1 s from the last offset. A refusal (4xx) or an `error` event stops.
+async function read_events(p, ctl, filter) {
+  while (!ctl.signal.aborted) {
+    let outcome;
+    try {
+      outcome = await stream_events(p, ctl, filter);
+    } catch (e) {
+      if (ctl.signal.aborted) return;
+      if (e.refused) { log_status(p, "error", e.message); return; }
+      outcome = "dropped";
+    }
+    if (outcome !== "dropped") return;
+    log_status(p, "reconnecting", "The log's stream dropped; reconnecting in 1 s…");
+    await sleep(1000);
   }
 }
 
+// One connection to the event stream (fetch, not EventSource: it must send X-Twinkle-Key).
+// Frames are separated by a blank line; returns "end", "error" or "dropped".
+async function stream_events(p, ctl, filter) {
+  const q = new URLSearchParams(Object.assign({ offset: String(p.offset) }, filter));
+  const res = await fetch(`/api/v1/jobs/${p.id}/events?${q}`, { headers: auth(), signal: ctl.signal });
+  if (!res.ok) {
+    const e = await refusal(res);
+    e.refused = res.status < 500;
+    throw e;
+  }
+  log_status(p, "live", "Following the log as it grows.");
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return "dropped";
+    buf += decoder.decode(value, { stream: true });
+    for (let m; (m = /\r?\n\r?\n/.exec(buf));) {
+      const frame = buf.slice(0, m.index);
+      buf = buf.slice(m.index + m[0].length);
+      if (ctl.signal.aborted) return "aborted";  // a newer stream owns the log now
+      const outcome = on_event(p, parse_frame(frame));
+      if (outcome) { ctl.abort(); return outcome; }
+    }
+  }
+}
+
+// An SSE frame: `event: NAME` and `data: ...` lines (several data lines join with newlines);
+// lines starting with ':' are comments (keep-alives).
+function parse_frame(frame) {
+  let event = "message";
+  const data = [];
+  for (const line of frame.split(/\r?\n/)) {
+    if (!line || line.startsWith(":")) continue;
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    let value = colon < 0 ? "" : line.slice(colon + 1);
+    if (value.startsWith(" ")) value = value.slice(1);
+    if (field === "event") event = value;
+    else if (field === "data") data.push(value);
+  }
+  try {
+    return { event, body: data.length ? JSON.parse(data.join("\n")) : {} };
+  } catch (e) {
+    return { event: "error", body: { error: `an unreadable ${event} event: ${e.message}` } };
+  }
+}
+
+// Applies one event; returns what ended the stream, if it did.
+function on_event(p, { event, body }) {
+  if (event === "log") {
+    append_log(p, body.text || "");
+    if (typeof body.offset === "number") p.offset = body.offset;
+  } else if (event === "end") {
+    if (typeof body.offset === "number") p.offset = body.offset;
+    log_status(p, "ended", "The job has ended: this is its whole log.");
+    return "end";
+  } else if (event === "error") {
+    log_status(p, "error", body.error || "the log's stream failed");
+    return "error";
+  }
+  return "";
+}
+
+// Appends, and keeps following the end only if the reader was there (not scrolled up to read).
+function append_log(p, text) {
+  if (!text) return;
+  const pre = p.pre;
+  const at_end = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 4;
+  pre.append(text);
+  if (at_end) pre.scrollTop = pre.scrollHeight;
+}
+
+async function search_log(p) {
+  const q = p.query.value;
+  if (!q) return;
+  const mine = ++p.searches;  // only the newest search's answer is shown
+  p.count.className = "dim";
+  p.count.textContent = "Searching…";
+  p.matches.replaceChildren();
+  try {
+    const context = String(Math.max(0, Math.floor(Number(p.context.value) || 0)));
+    const r = await api(`/jobs/${p.id}/search?` + new URLSearchParams(Object.assign({ q, context }, log_filter(p))));
+    if (mine !== p.searches) return;
+    p.count.className = "";
+    p.count.textContent = `${r.count} matching ${r.count === 1 ? "line" : "lines"} of ${r.lines}` +
+      (r.shown < r.count ? `; showing the first ${r.shown}` : "");
+    p.matches.replaceChildren(...r.matches.map(match_block));
+  } catch (e) {
+    if (mine !== p.searches) return;
+    p.count.className = "error";
+    p.count.textContent = e.message;
+  }
+}
+
+// One match: its context lines dim, the matching line highlighted, each with its line number.
+function match_block(m) {
+  const before = m.before || [], after = m.after || [];
+  return el("div", { class: "match" },
+    ...before.map((t, i) => match_line(m.line - before.length + i, t, "dim")),
+    match_line(m.line, m.text, "hit"),
+    ...after.map((t, i) => match_line(m.line + 1 + i, t, "dim")));
+}
+
+function match_line(n, text, cls) {
+  return el("div", { class: cls }, el("span", { class: "ln" }, String(n)), text);
+}
+
+// The whole filtered log as a file: fetched with the key (a plain link could not send it).
+async function download_log(p) {
+  try {
+    const res = await fetch(`/api/v1/jobs/${p.id}/log?` + new URLSearchParams(log_filter(p)), { headers: auth() });
+    if (!res.ok) throw await refusal(res);
+    const url = URL.createObjectURL(await res.blob());
+    const a = el("a", { href: url, download: `job-${p.id}.log` });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);  // after the download has started
+  } catch (e) { alert(e.message); }
+}
+
+// ---- Submit and re-run -----------------------------------------------------------------------
+// Never redrawn by the refresh (it would wipe the form): built once per route().
+
+const CHOOSE = "Choose the job's working directory (the folder with its job file) to see its topology.";
+
+async function submit(mine, params) {
+  const rerun = Number(params.get("rerun")) || 0;
+  const s = { mine, rerun, files: [], seq: 0, debounce: null };
+  const j = rerun ? await api(`/jobs/${rerun}`) : null;
+  if (mine !== generation) return;
+  s.topology = el("pre", { id: "topology", "data-state": "none" });
+  s.overrides = el("textarea", { id: "overrides", rows: 4, cols: 60, spellcheck: "false",
+    placeholder: "one SECTION.KEY=VALUE a line, e.g. group.model.ranks=2", oninput: () => preview_soon(s) });
+  if (j) s.overrides.value = (j.overrides || []).join("\n");
+  s.name = el("input", { id: "job-name", size: 30, placeholder: j ? j.name : "the job file's" });
+  s.button = el("button", { id: "submit-job", type: "submit" }, "Submit");
+  s.status = el("span", { id: "submit-status", class: "dim" });
+  s.error = el("p", { class: "error", id: "submit-error" });
+  const fields = j ? rerun_fields(s, j) : folder_fields(s);
+  show(mine, el("h2", {}, j ? "Re-run a job" : "Submit a job"),
+    el("form", { class: "submit", onsubmit: (e) => { e.preventDefault(); send(s); } },
+      ...fields,
+      el("label", { for: "job-name" }, "Name"), el("div", {}, s.name),
+      el("label", { for: "overrides" }, "Overrides"), el("div", {}, s.overrides),
+      ...(j ? [] : [el("label", { for: "max-retries" }, "Max retries"), el("div", {}, s.retries)]),
+      el("span", {}), el("div", {}, s.button, s.status)),
+    s.error,
+    el("h2", {}, "Topology"), s.topology);
+  if (j) preview_soon(s);
+  else s.topology.textContent = CHOOSE;
+}
+
+function folder_fields(s) {
+  s.folder = el("input", { type: "file", id: "folder", webkitdirectory: "", multiple: "",
+    onchange: () => pick_folder(s) });
+  s.job_file = el("select", { id: "job-file", onchange: () => preview_soon(s) });
+  s.picked = el("span", { id: "folder-info", class: "dim" });
+  s.retries = el("input", { type: "number", id: "max-retries", value: 0, min: 0, max: 100 });
+  return [el("label", { for: "folder" }, "Working directory"), el("div", {}, s.folder, " ", s.picked),
+    el("label", { for: "job-file" }, "Job file"), el("div", {}, s.job_file)];
+}
+
+function rerun_fields(s, j) {
+  return [el("span", {}), el("p", { id: "rerun-what" },
+    `Re-run job ${j.id} (${j.name}) with its working directory` + (j.job_file ? `: ${j.job_file}` : ""))];
+}
+
+// A picked file's path inside the folder: webkitRelativePath less its first part (the folder).
+function relative_path(f) {
+  const p = f.webkitRelativePath || f.name;
+  const cut = p.indexOf("/");
+  return cut < 0 ? p : p.slice(cut + 1);
+}
+
+function pick_folder(s) {
+  s.files = [...s.folder.files].map((file) => ({ file, path: relative_path(file) }));
+  const tomls = s.files.map((f) => f.path).filter((p) => p.endsWith(".toml")).sort();
+  s.job_file.replaceChildren(...tomls.map((t) => el("option", { value: t }, t)));
+  s.job_file.value = tomls.includes("job.toml") ? "job.toml" : tomls[0] || "";
+  const total = s.files.reduce((n, f) => n + f.file.size, 0);
+  s.picked.textContent = `${plural(s.files.length, "file")} (${bytes(total)}) will be uploaded`;
+  preview_soon(s);
+}
+
+function override_lines(s) {
+  return s.overrides.value.split("\n").map((l) => l.trim()).filter((l) => l);
+}
+
+// Every change asks for a new preview 300 ms after the last one; only the newest answer shows.
+function preview_soon(s) {
+  const mine = ++s.seq;
+  s.topology.dataset.state = "pending";
+  clearTimeout(s.debounce);
+  s.debounce = setTimeout(() => preview(s, mine), 300);
+}
+
+async function preview(s, mine) {
+  if (s.mine !== generation || mine !== s.seq) return;
+  const pre = s.topology;
+  const show_preview = (state, text) => {
+    if (s.mine !== generation || mine !== s.seq) return;
+    pre.dataset.state = state;
+    pre.dataset.seq = String(mine);  // which change this answers (the browser test waits on it)
+    pre.className = state === "error" ? "error" : "";
+    pre.textContent = text;
+  };
+  try {
+    let body;
+    if (s.rerun) body = { job: s.rerun, overrides: override_lines(s) };
+    else {
+      const f = s.files.find((x) => x.path === s.job_file.value);
+      if (!f) return show_preview("none", s.files.length ? "The folder has no .toml job file." : CHOOSE);
+      body = { job_file: f.path, job_text: await f.file.text(), overrides: override_lines(s) };
+    }
+    const r = await post("/topology", body);
+    show_preview("ok", r.text);
+  } catch (e) {
+    show_preview("error", e.message);
+  }
+}
+
+function max_retries(s) {
+  const n = Number(s.retries.value);
+  if (!Number.isInteger(n) || n < 0 || n > 100) throw new Error("Max retries: a whole number from 0 to 100.");
+  return n;
+}
+
+// Submits (the folder's files, multipart) or re-runs, then follows the new job to its page.
+async function send(s) {
+  s.error.textContent = "";
+  s.button.disabled = true;
+  try {
+    const overrides = override_lines(s), name = s.name.value.trim();
+    let r;
+    if (s.rerun) {
+      s.status.textContent = "submitting…";
+      r = await post(`/jobs/${s.rerun}/rerun`, { overrides, name });
+    } else {
+      if (!s.files.length) throw new Error("Choose the job's working directory first.");
+      if (!s.job_file.value) throw new Error("The folder has no .toml job file.");
+      const meta = { job_file: s.job_file.value, name, overrides, max_retries: max_retries(s),
+        paths: s.files.map((f) => f.path) };
+      const form = new FormData();
+      form.append("meta", JSON.stringify(meta));  // first: the server reads it before the files
+      for (const f of s.files) form.append("file", f.file);
+      s.status.textContent = `uploading ${plural(s.files.length, "file")}…`;
+      // No Content-Type: the browser writes multipart/form-data with its boundary.
+      r = await api("/submit", { method: "POST", headers: { "X-CSRF-Token": session.csrf }, body: form });
+    }
+    location.hash = `#/job/${r.job}`;
+  } catch (e) {
+    s.error.textContent = e.message;
+    s.status.textContent = "";
+    s.button.disabled = false;
+  }
+}
+
+let submit_hash = null;  // the route of the submit view on show: a late route() keeps its form
+
 async function route() {
+  if (location.hash === submit_hash && document.getElementById("topology")) return;
+  submit_hash = null;
   clearTimeout(timer);
   const mine = ++generation;
   const [path, query] = (location.hash.slice(1) || "/cluster").split("?");
   const params = new URLSearchParams(query || "");
+  const m = path.match(/^\/job\/(\d+)$/);
+  if (!m || !job_page || job_page.id !== Number(m[1])) close_job();  // left the job: its stream stops
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", path.startsWith(a.getAttribute("href").slice(1)));
   try {
     if (!session) session = await api("/session");
     document.getElementById("who").textContent = session.user + (session.admin ? " (admin)" : "");
-    const m = path.match(/^\/job\/(\d+)$/);
+    if (path === "/submit") {  // no refresh: it keeps its form
+      submit_hash = location.hash;
+      await submit(mine, params);
+      return;
+    }
     if (m) await job(mine, Number(m[1]));
     else if (path === "/jobs") await jobs(mine, params);
     else await cluster(mine);
   } catch (e) {
     if (mine !== generation) return;
     session = null;
+    close_job();
     show(mine, el("p", { class: "error" }, e.message));
     return;
   }
