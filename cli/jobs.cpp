@@ -1,5 +1,10 @@
+#include <fcntl.h>
 #include <pwd.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <chrono>
 #include <ctime>
@@ -9,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -458,7 +464,47 @@ int run_stop(const StopOptions& o) {
 
 struct DashboardOptionsCli {
   ClusterFlags cluster;
+  bool no_open = false;
 };
+
+// Hands `url` to the desktop's browser (xdg-open) when there is a desktop and xdg-open: true
+// when it was handed. xdg-open runs as a grandchild (reparented, never waited for, its output
+// dropped): a browser that keeps xdg-open waiting does not keep this command.
+bool open_in_browser(const std::string& url) {
+  const char* display = std::getenv("DISPLAY");
+  const char* wayland = std::getenv("WAYLAND_DISPLAY");
+  if ((!display || !*display) && (!wayland || !*wayland)) return false;
+  std::string exe;
+  const char* path = std::getenv("PATH");
+  for (std::string_view rest = path ? path : ""; exe.empty() && !rest.empty();) {
+    const auto colon = rest.find(':');
+    const std::string dir(rest.substr(0, colon));
+    rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
+    const std::string candidate = (dir.empty() ? std::string(".") : dir) + "/xdg-open";
+    if (::access(candidate.c_str(), X_OK) == 0) exe = candidate;
+  }
+  if (exe.empty()) return false;
+  const pid_t child = ::fork();
+  if (child < 0) return false;
+  if (child == 0) {
+    if (::fork() == 0) {
+      ::setsid();
+      const int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+      if (null >= 0) {
+        ::dup2(null, 0);
+        ::dup2(null, 1);
+        ::dup2(null, 2);
+      }
+      ::execl(exe.c_str(), exe.c_str(), url.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
 
 // Asks the head for a one-time login link to its dashboard, as this member (its key's name).
 int run_dashboard(const DashboardOptionsCli& o) {
@@ -471,6 +517,9 @@ int run_dashboard(const DashboardOptionsCli& o) {
       "Open this link in a browser on the head's machine (or through `ssh -L`); it logs "
       "you in once, within a minute:\n{}\n",
       g.url);
+  // Opening it spends nothing: the link asks before it logs in.
+  if (!o.no_open && open_in_browser(g.url))
+    fmt::print("(handed to your browser with xdg-open; --no-open does not)\n");
   return kExitOk;
 }
 
@@ -549,6 +598,9 @@ void setup_jobs(CLI::App& app, Action& action) {
   auto* dashboard =
       app.add_subcommand("dashboard", "Log in to the head's web dashboard: prints a one-time link");
   add_job_flags(dashboard, dash->cluster);
+  dashboard->add_flag("--no-open", dash->no_open,
+                      "Only print the link (by default it also goes to xdg-open where there is "
+                      "a desktop: DISPLAY or WAYLAND_DISPLAY)");
   dashboard->callback([dash, &action] { action = [dash] { return run_dashboard(*dash); }; });
 
   auto sv = std::make_shared<core::jobs::SuperviseOptions>();

@@ -26,7 +26,7 @@ _twinkle_flags() {
       echo "--follow --rank --driver --grep --tail --address --key --head-key --insecure --help"
       ;;
     stop) echo "--now --address --key --head-key --insecure --help" ;;
-    dashboard) echo "--address --key --head-key --insecure --help" ;;
+    dashboard) echo "--no-open --address --key --head-key --insecure --help" ;;
     keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \

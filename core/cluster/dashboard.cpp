@@ -1039,7 +1039,7 @@ struct Dashboard::State {
               return refuse(res, 400,
                             fmt::format("{}: the job cannot run on this cluster: {}", rel->string(),
                                         r->message));
-            const Placement placement = placement_of(job, *r);
+            const Placement placement = placement_of(job, *r, true);
             json out{{"text", render_topology(job, placement)},
                      {"topology", topology_json(job, placement)}};
             if (r->kind == "busy")
@@ -1052,6 +1052,61 @@ struct Dashboard::State {
             refuse(res, 400, e.what());
           } catch (const std::exception& e) {
             refuse(res, 502, e.what());
+          }
+        }));
+
+    // Where a submitted job ran (its placement record), drawn as `twinkle topology` draws a
+    // run's: its groups, meshes, and the node and GPUs of every rank.
+    server->Get(
+        R"(/api/v1/jobs/(\d+)/topology)",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          auto j = job_entry(s, req.remote_addr, req.matches[1], res);
+          if (!j) return;
+          if (!j->job_text || j->placement.empty())
+            return refuse(res, 404,
+                          fmt::format("job {} has no placement to draw: it has not run yet, or it "
+                                      "was an interactive run (its job file stays with its client)",
+                                      j->id));
+          try {
+            std::vector<Override> parsed;
+            for (const auto& x : j->overrides) parsed.push_back(parse_override(x));
+            parsed.push_back(Override{"job.mode", "remote"});
+            const Job job = parse_job(*j->job_text, j->job_file, parsed);
+            Placement p;
+            std::map<std::string, int> node_index;
+            for (const auto& g : job.groups) {
+              GroupPlacement gp;
+              gp.group = &g;
+              for (const auto& r : j->placement) {
+                if (r.group != g.name) continue;
+                if (r.rank < 0 || r.rank >= static_cast<int>(g.ranks.size()))
+                  return refuse(res, 409,
+                                fmt::format("job {}'s placement names {}:{}, which its job file "
+                                            "does not have",
+                                            j->id, r.group, r.rank));
+                auto [at, fresh] = node_index.emplace(r.node, static_cast<int>(p.nodes.size()));
+                if (fresh) {
+                  NodeSlot slot;
+                  slot.id = r.node;
+                  slot.host = r.node;
+                  p.nodes.push_back(std::move(slot));
+                }
+                gp.workers.push_back(WorkerPlacement{g.ranks[static_cast<std::size_t>(r.rank)],
+                                                     r.rank, at->second, r.gpus});
+              }
+              std::sort(gp.workers.begin(), gp.workers.end(),
+                        [](const auto& a, const auto& b) { return a.index < b.index; });
+              if (gp.workers.size() != g.ranks.size())
+                return refuse(res, 409,
+                              fmt::format("job {}'s placement has {} of group {}'s {} ranks", j->id,
+                                          gp.workers.size(), g.name, g.ranks.size()));
+              p.groups.push_back(std::move(gp));
+            }
+            reply_json(
+                res, 200,
+                json{{"text", render_topology(job, p)}, {"topology", topology_json(job, p)}});
+          } catch (const ConfigError& e) {
+            refuse(res, 400, e.what());
           }
         }));
 

@@ -110,7 +110,7 @@ class ClusterSite : public RemoteSite {
                                     busy ? "does not fit now" : "cannot run", link_.address(),
                                     r.message, busy ? "; held by " + r.holders : std::string()));
     }
-    return placement_of(job, r);
+    return placement_of(job, r, true);
   }
 
   std::string driver_address() const override { return link_.local_address(); }
@@ -379,7 +379,7 @@ void ClusterSite::on_message(Message& m) {
 
 }  // namespace
 
-Placement placement_of(const Job& job, const proto::Reservation& reply) {
+Placement placement_of(const Job& job, const proto::Reservation& reply, bool planned) {
   if (reply.groups.size() != job.groups.size())
     throw TransportError(fmt::format("the head placed {} group(s) for a job of {}",
                                      reply.groups.size(), job.groups.size()));
@@ -407,6 +407,7 @@ Placement placement_of(const Job& job, const proto::Reservation& reply) {
         slot.id = sl.node;
         slot.address = where->address;
         slot.host = fmt::format("{} {}", sl.node, slot.address);
+        slot.planned = planned;
         p.nodes.push_back(std::move(slot));
       }
       WorkerPlacement w;

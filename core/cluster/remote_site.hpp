@@ -17,8 +17,10 @@ std::unique_ptr<RemoteSite> connect_site(const std::string& address, const KeyOp
 std::unique_ptr<RemoteSite> connect_site(const std::string& address,
                                          const transport::SocketSecurity& security);
 
-// The placement of `job` that the head's reservation (or plan) `reply` gives. Throws
-// TransportError when the answer does not fit the job (another head's build).
-Placement placement_of(const Job& job, const transport::proto::Reservation& reply);
+// The placement of `job` that the head's reservation (or, `planned`, its plan: nothing held)
+// `reply` gives. Throws TransportError when the answer does not fit the job (another head's
+// build).
+Placement placement_of(const Job& job, const transport::proto::Reservation& reply,
+                       bool planned = false);
 
 }  // namespace twinkle::core::cluster

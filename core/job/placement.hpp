@@ -23,9 +23,11 @@ struct GroupPlacement {
 
 struct NodeSlot {
   std::string host;
-  bool planned = false;  // remote mode without a cluster: a node the job will need
-  std::string id;        // remote mode: the cluster's node id
-  std::string address;   // remote mode: where the node's peers reach it
+  // Nothing is held there: remote mode without a cluster (a node the job will need), or a
+  // cluster's plan (where it would go now; `twinkle topology --address`, the dashboard's preview).
+  bool planned = false;
+  std::string id;       // remote mode: the cluster's node id
+  std::string address;  // remote mode: where the node's peers reach it
 };
 
 // Ranks -> nodes -> devices for every group (docs/ARCHITECTURE.md, Placement).

@@ -136,8 +136,12 @@ try {
   // The hello plugin's ranks log `greet received "GREETING"`; its driver prints what they said.
   await page.locator("#log", { hasText: GREETING }).waitFor({ timeout: 10000 })
     .catch(() => fail(`the log of job ${first} does not hold "${GREETING}"`));
+  // Its topology where it ran, as `twinkle topology` draws it (folded until asked for).
+  await page.locator("#job-topology-box summary").click();
+  await page.locator("#job-topology", { hasText: "DeviceGroup: processor" }).waitFor({ timeout: 10000 })
+    .catch(() => fail(`job ${first}'s page draws no topology with its groups`));
   await page.screenshot({ path: join(out, "job-hello.png"), fullPage: true });
-  console.log(`submitted: job ${first} SUCCEEDED, its log holds "${GREETING}"`);
+  console.log(`submitted: job ${first} SUCCEEDED, its log holds "${GREETING}", its topology drawn`);
 
   // Search the log: the greeting's lines, counted, each highlighted.
   await page.fill("#log-search", GREETING);

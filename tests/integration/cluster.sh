@@ -163,6 +163,9 @@ name = "g"
 ranks = 3
 placement = "strict_spread"'
     [ "$(nodes_of | tr ' ' '\n' | sort -u | wc -l)" = 3 ] || fail "strict_spread: $(nodes_of)"
+    # A plan holds nothing, and says so.
+    run 0 "$TWK" topology "$TMP/place.toml" --address "$ADDR"
+    expect_out "3 nodes (planned)"
     place '[[group]]
 name = "g"
 ranks = 4

@@ -14,6 +14,7 @@ export HOME="$TMP/home"  # keys, caches, pid files and the head's state of this 
 mkdir -p "$HOME"
 unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINKLE_HOME
 unset TWINKLE_JOB_ID TWINKLE_JOB_USER
+unset DISPLAY WAYLAND_DISPLAY  # no login link goes to a desktop browser (dashboard_expired sets its own)
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
@@ -595,6 +596,7 @@ PY
 
   dashboard_expired)
     # A login link is good for a limited time (60 s; here 0 s): after that it fails, saying why.
+    # Where there is a desktop, twinkle dashboard hands it to xdg-open too.
     TWINKLE_TEST_DASHBOARD_LINK_S=0 start_head --dashboard 0
     wait_for "$TMP/head.log" "dashboard on http://127.0.0.1:" 10
     run 0 "$TWK" dashboard --address "$ADDR"
@@ -605,9 +607,21 @@ PY
     [ "$(curl -s -o "$TMP/body" -w '%{http_code}' -H "Origin: $web" --data "token=${link##*token=}" "$web/login")" = 403 ] ||
       fail "an expired link logged in"
     grep -q "used already or has expired" "$TMP/body" || fail "the refusal does not say why"
+    # Where there is a desktop the link also goes to xdg-open (here a stand-in that keeps it).
+    mkdir -p "$TMP/bin"
+    printf '#!/bin/sh\necho "$1" >"%s/opened.tmp" && mv "%s/opened.tmp" "%s/opened"\n' "$TMP" "$TMP" "$TMP" >"$TMP/bin/xdg-open"
+    chmod +x "$TMP/bin/xdg-open"
+    DISPLAY=:9 PATH="$TMP/bin:$PATH" run 0 "$TWK" dashboard --address "$ADDR"
+    expect_out "handed to your browser with xdg-open"
+    wait_for "$TMP/opened" "$(grep -o 'http://127.0.0.1:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")" 10
+    DISPLAY=:9 PATH="$TMP/bin:$PATH" run 0 "$TWK" dashboard --no-open --address "$ADDR"
+    ! grep -q "handed to your browser" "$TMP/out" || fail "--no-open handed the link to the browser"
+    PATH="$TMP/bin:$PATH" run 0 "$TWK" dashboard --address "$ADDR"
+    ! grep -q "handed to your browser" "$TMP/out" || fail "without a desktop the link went to xdg-open"
     # A dashboard elsewhere than loopback is refused, with the way to reach one from elsewhere.
     run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 0.0.0.0:8265 --state-dir "$TMP/s2"
     expect_err "the dashboard serves loopback only"
+    expect_err "give --tls-cert FILE --tls-key FILE"
     expect_err "ssh -L 8265:127.0.0.1:8265"
     for a in 127.0.0.2:8265 127.0.0.1.example:8265 127.evil:8265; do
       run 2 "$TWK" node start --head --no-agent --port 0 --dashboard "$a" --state-dir "$TMP/s2"
@@ -636,7 +650,7 @@ PY
       { cat "$TMP/body"; fail "the preview was refused"; }
     field text >"$TMP/topology.txt"
     grep -q "DEVICE PLACEMENT TOPOLOGY" "$TMP/topology.txt" && grep -q "DeviceGroup: a" "$TMP/topology.txt" &&
-      grep -q "4 workers on n1" "$TMP/topology.txt" ||
+      grep -q "4 workers on n1" "$TMP/topology.txt" && grep -q "1 node (planned)" "$TMP/topology.txt" ||
       { cat "$TMP/topology.txt"; fail "the preview is not the job's topology on n1"; }
     grep -q "Ranks       : \[4\] " "$TMP/topology.txt" ||
       { cat "$TMP/topology.txt"; fail "the preview did not take the override group.b.ranks=1"; }
@@ -656,6 +670,11 @@ PY
     id=$(field job)
     wait_state "$id" SUCCEEDED 60
     [ "$(job_field "$id" name)" = from-web ] || fail "the submit's name was not kept"
+    # Where it ran, drawn as `twinkle topology` draws a run.
+    [ "$(api GET "/jobs/$id/topology")" = 200 ] || { cat "$TMP/body"; fail "the job's topology was refused"; }
+    field text >"$TMP/ran.txt"
+    grep -q "DeviceGroup: b" "$TMP/ran.txt" && grep -q "4 workers on n1" "$TMP/ran.txt" &&
+      grep -q "1 node (reserved)" "$TMP/ran.txt" || { cat "$TMP/ran.txt"; fail "the job's topology is not where it ran"; }
     [ "$(job_field "$id" overrides)" = "['args.tag=web']" ] || fail "the submit's overrides were not kept: $(job_field "$id" overrides)"
     sha=$(curl -s "${auth[@]}" "$WEB/api/v1/jobs/$id" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("sha256",""))')
     [ -n "$sha" ] && [ -f "$STATE/uploads/$sha.tar" ] || fail "the head does not hold the submit's working directory"

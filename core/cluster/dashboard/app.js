@@ -162,7 +162,10 @@ function job_layout(id) {
   p.summary = el("div", {});
   p.buttons = el("p", { class: "buttons" });
   p.details = el("div", {});
-  p.info = el("div", { id: "job-info" }, p.summary, p.buttons, p.details);
+  p.topology = el("pre", { id: "job-topology", class: "topology" });
+  p.drawn = "";  // the placement the topology shows
+  p.info = el("div", { id: "job-info" }, p.summary, p.buttons, p.details,
+    el("details", { id: "job-topology-box" }, el("summary", {}, "Topology (as twinkle topology draws it)"), p.topology));
   p.rank = el("select", { id: "log-rank", onchange: () => follow_log(p) },
     el("option", { value: "" }, "all"), el("option", { value: "driver" }, "driver"));
   p.status = el("span", { id: "log-status" });
@@ -202,7 +205,22 @@ function job_info(p, j) {
   p.details.replaceChildren(j.reason ? el("p", {}, j.reason) : "",
     about.length ? el("p", { class: "dim" }, about.join("; ")) : "",
     el("h2", {}, "Where every rank ran"), table(["rank", "node", "GPUs", "GPU use now"], placement));
+  draw_topology(p, j);
   rank_options(p, placement.map((r) => r[0]));
+}
+
+// The job's topology where it ran: asked again only when its placement changed (a retry).
+async function draw_topology(p, j) {
+  const key = JSON.stringify(j.placement || []);
+  if (!j.job_text || !(j.placement || []).length || key === p.drawn) return;
+  p.drawn = key;
+  try {
+    p.topology.textContent = (await api(`/jobs/${j.id}/topology`)).text;
+    p.topology.className = "topology";
+  } catch (e) {
+    p.topology.textContent = e.message;
+    p.topology.className = "topology error";
+  }
 }
 
 // Stop and Stop now while a submitted job is active; Re-run for a submitted job the head kept
