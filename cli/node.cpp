@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -59,6 +60,7 @@ struct NodeStartOptions {
   int job_log_mb = 64;
   std::string dashboard;  // [ADDR:]PORT
   std::string tls_cert, tls_key;
+  std::vector<std::string> dashboard_names;
 };
 
 // --dashboard [ADDR:]PORT: ADDR defaults to 127.0.0.1; any other address only over TLS.
@@ -215,8 +217,11 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
-      if (o.dashboard.empty() && (!o.tls_cert.empty() || !o.tls_key.empty()))
-        throw ConfigError("--tls-cert and --tls-key are the dashboard's: give --dashboard too");
+      if (o.dashboard.empty() &&
+          (!o.tls_cert.empty() || !o.tls_key.empty() || !o.dashboard_names.empty()))
+        throw ConfigError(
+            "--tls-cert, --tls-key and --dashboard-name are the dashboard's: give --dashboard "
+            "too");
       if (!o.dashboard.empty()) {
         if (o.tls_cert.empty() != o.tls_key.empty())
           throw ConfigError("--tls-cert and --tls-key go together: give both, or neither");
@@ -226,6 +231,14 @@ int run_node_start(NodeStartOptions o) {
           ho.dashboard_tls_cert = std::filesystem::absolute(o.tls_cert);
           ho.dashboard_tls_key = std::filesystem::absolute(o.tls_key);
         }
+        for (const auto& n : o.dashboard_names) {
+          if (n.empty() || n.find_first_of(":/ ") != std::string::npos)
+            throw ConfigError(fmt::format(
+                "--dashboard-name \"{}\": a host name (the certificate's, e.g. head.example.org), "
+                "without a port",
+                n));
+        }
+        ho.dashboard_names = o.dashboard_names;
         if (const char* t = std::getenv("TWINKLE_TEST_DASHBOARD_LINK_S"))
           ho.dashboard_link_s = std::atof(t);
       }
@@ -423,6 +436,9 @@ void setup_node(CLI::App& app, Action& action) {
                     "With --dashboard: serve HTTPS with this certificate (PEM; with --tls-key)");
   start->add_option("--tls-key", o->tls_key,
                     "With --dashboard: the certificate's private key (PEM)");
+  start->add_option("--dashboard-name", o->dashboard_names,
+                    "With --dashboard: another name browsers reach it by (the certificate's, e.g. "
+                    "an FQDN; repeatable); the first is the login links'");
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");

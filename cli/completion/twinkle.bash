@@ -30,7 +30,7 @@ _twinkle_flags() {
     keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
-        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key --key --authorized-keys" \
+        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key --dashboard-name --key --authorized-keys" \
         "--head-key --insecure --daemon --pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;

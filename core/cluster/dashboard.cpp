@@ -460,9 +460,13 @@ struct Dashboard::State {
   }
   std::string cookie() const { return fmt::format("{}{}", kCookie, port); }
 
+  // The links' address: the first name given, else the bound address (the machine's name when
+  // bound to every one).
   std::string url() const {
-    // Bound to every address: the machine's name (one of those a Host header may give).
-    return fmt::format("{}://{}:{}", scheme, o.host == "0.0.0.0" ? machine_name() : o.host, port);
+    const std::string name = !o.names.empty()      ? o.names.front()
+                             : o.host == "0.0.0.0" ? machine_name()
+                                                   : o.host;
+    return fmt::format("{}://{}:{}", scheme, name, port);
   }
 
   void log(const std::string& line) const {
@@ -1266,6 +1270,7 @@ Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_uniqu
     s.scheme = "https";
   }
   s.names = names_of(s.o.host);
+  s.names.insert(s.names.end(), s.o.names.begin(), s.o.names.end());
   // Submits' folders: what a head that was killed left there goes now.
   std::error_code ec;
   if (s.o.scratch_dir.empty()) {

@@ -23,6 +23,9 @@ struct DashboardOptions {
   double link_s = 60;
   // HTTPS with this certificate and key (PEM files); both empty: HTTP.
   std::filesystem::path tls_cert, tls_key;
+  // More names the Host header may give (the certificate's, e.g. an FQDN); the first is the
+  // links'.
+  std::vector<std::string> names;
   // Bytes of the files of one submit from the page (the job service's limit on an archive).
   std::uint64_t max_upload = 1ull << 30;
   // Where a submit's files are put together ("": the system's temporary folder).

@@ -771,6 +771,7 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
     d.link_s = s.options.dashboard_link_s;
     d.tls_cert = s.options.dashboard_tls_cert;
     d.tls_key = s.options.dashboard_tls_key;
+    d.names = s.options.dashboard_names;
     d.max_upload = s.options.max_upload;
     // The page's uploads are put together here before they go to the job service.
     if (!s.options.state_dir.empty()) d.scratch_dir = s.options.state_dir / "dashboard";

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/cluster/security.hpp"
 
@@ -38,6 +39,7 @@ struct HeadOptions {
   double dashboard_link_s = 60;  // how long a login link is good for
   // HTTPS with this certificate and key (PEM); both empty: HTTP, which only loopback may use.
   std::filesystem::path dashboard_tls_cert, dashboard_tls_key;
+  std::vector<std::string> dashboard_names;  // more names of the dashboard (--dashboard-name)
 };
 
 class Head {

@@ -756,8 +756,8 @@ sys.exit(0 if r["count"]==3 and r["shown"]==3 and all("SAY a:2 line" in x["text"
 
   dashboard_tls)
     # Another address than loopback only over HTTPS: with a certificate the dashboard serves
-    # https on 127.0.0.2 (logins, Secure cookies); without one, or with a bad one, the head
-    # refuses to start and says how.
+    # https on 127.0.0.2 (logins, Secure cookies), under the certificate's name with
+    # --dashboard-name; without one, or with a bad one, the head refuses to start and says how.
     run 2 "$TWK" node start --head --no-agent --port 0 --dashboard 127.0.0.2:0 --state-dir "$TMP/s2"
     expect_err "give --tls-cert FILE --tls-key FILE"
     echo "not a certificate" >"$TMP/junk.pem"
@@ -788,6 +788,27 @@ sys.exit(0 if r["count"]==3 and r["shown"]==3 and all("SAY a:2 line" in x["text"
     [ "$(curl -s --cacert "$TMP/cert.pem" -o "$TMP/body" -w '%{http_code}' -H "Origin: http://${WEB#https://}" \
       --data "token=${link##*token=}" "$WEB/login")" = 403 ] || fail "an http:// Origin logged in over https"
     [ "$(curl -s -o /dev/null -w '%{http_code}' "http://${WEB#https://}/")" != 200 ] || fail "plain http was served"
+    # The certificate's name (--dashboard-name): the Host browsers send, and the links' name.
+    kill "$HEAD_PID"; wait "$HEAD_PID" 2>/dev/null
+    mv "$TMP/head.log" "$TMP/head-1.log"
+    HEAD_PORT=
+    openssl req -x509 -newkey rsa:2048 -nodes -days 1 -keyout "$TMP/key2.pem" -out "$TMP/cert2.pem" \
+      -subj /CN=head.twinkle.test -addext subjectAltName=DNS:head.twinkle.test 2>"$TMP/openssl.err" ||
+      { cat "$TMP/openssl.err"; fail "openssl made no certificate"; }
+    start_head --dashboard 127.0.0.2:0 --tls-cert "$TMP/cert2.pem" --tls-key "$TMP/key2.pem" \
+      --dashboard-name head.twinkle.test
+    wait_for "$TMP/head.log" "dashboard on https://head.twinkle.test:" 10
+    port=$(grep -o 'dashboard on https://head.twinkle.test:[0-9]*' "$TMP/head.log" | tail -1 | sed 's/.*://')
+    run 0 "$TWK" dashboard --address "$ADDR"
+    link=$(grep -o 'https://head.twinkle.test:[0-9]*/login?token=[0-9a-f]*' "$TMP/out")
+    [ -n "$link" ] || { cat "$TMP/out"; fail "the link does not use the certificate's name"; }
+    at=(--cacert "$TMP/cert2.pem" --resolve "head.twinkle.test:$port:127.0.0.2")
+    [ "$(curl -s "${at[@]}" -o "$TMP/body" -w '%{http_code}' "$link")" = 200 ] ||
+      { cat "$TMP/body"; fail "the certificate's name is not one of the dashboard's"; }
+    [ "$(curl -s "${at[@]}" -o "$TMP/body" -w '%{http_code}' -H "Host: other.twinkle.test:$port" "$link")" = 421 ] ||
+      fail "a name not given was served"
+    run 2 "$TWK" node start --head --no-agent --port 0 --dashboard-name x.test --state-dir "$TMP/s2"
+    expect_err "give --dashboard too"
     ;;
 
   dashboard_gpu)
