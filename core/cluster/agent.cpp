@@ -17,6 +17,7 @@
 #include "core/cluster/head_link.hpp"
 #include "core/job/digest.hpp"
 #include "core/job/resources.hpp"
+#include "core/job/unix_time.hpp"
 #include "core/job/values.hpp"
 #include "core/runtime/spawner.hpp"
 #include "twinkle/errors.hpp"
@@ -26,12 +27,6 @@ extern char** environ;
 namespace twinkle::core::cluster {
 
 namespace {
-
-std::int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // One run's workers on this node.
 struct Job {

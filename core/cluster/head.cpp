@@ -22,6 +22,7 @@
 
 #include "core/cluster/dashboard.hpp"
 #include "core/cluster/scheduler.hpp"
+#include "core/job/unix_time.hpp"
 #include "core/job/values.hpp"
 #include "core/jobs/service.hpp"
 #include "transports/zmq/auth.hpp"
@@ -48,12 +49,6 @@ constexpr auto kAskTimeout = std::chrono::seconds(10);
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-std::int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
 }
 
 struct Node {

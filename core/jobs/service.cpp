@@ -22,6 +22,7 @@ extern char** environ;
 
 #include "core/job/digest.hpp"
 #include "core/job/job.hpp"
+#include "core/job/unix_time.hpp"
 #include "core/jobs/archive.hpp"
 #include "core/jobs/demand.hpp"
 #include "core/jobs/supervisor.hpp"
@@ -43,12 +44,6 @@ constexpr auto kAdoptionGrace = std::chrono::seconds(10);
 // client that died between its upload and its submit (or mid-upload) leaves nothing for good.
 constexpr auto kUploadGrace = std::chrono::hours(1);
 constexpr auto kSweepEvery = std::chrono::minutes(10);
-
-std::int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 bool ended(const std::string& state) { return state != "QUEUED" && state != "RUNNING"; }
 

@@ -54,6 +54,16 @@ function post(path, body) {
 
 function when(t) { return t ? new Date(t * 1000).toLocaleString() : "-"; }
 
+// How long a job ran (or has run so far): "1 h 02 min", "3 min 07 s", "12 s"; "-" before it started.
+function duration(j) {
+  if (!j.started) return "-";
+  const s = Math.max(0, Math.round((j.ended || Date.now() / 1000) - j.started));
+  const two = (n) => String(n).padStart(2, "0");
+  if (s >= 3600) return `${Math.floor(s / 3600)} h ${two(Math.floor(s / 60) % 60)} min`;
+  if (s >= 60) return `${Math.floor(s / 60)} min ${two(s % 60)} s`;
+  return `${s} s`;
+}
+
 function bytes(n) {
   const units = ["bytes", "KiB", "MiB", "GiB"];
   let i = 0;
@@ -122,11 +132,11 @@ async function jobs(mine, params) {
   const rows = list.jobs.map((j) => [el("a", { href: `#/job/${j.id}` }, String(j.id)) ,
     j.name + (j.kind === "interactive" ? " *" : ""), j.user,
     el("span", { class: "state-" + j.state }, j.state), `${j.nodes} / ${j.gpus}`,
-    when(j.submitted), when(j.started), j.retries, j.exit_code === undefined ? "-" : j.exit_code,
+    when(j.submitted), when(j.started), duration(j), j.retries, j.exit_code === undefined ? "-" : j.exit_code,
     j.reason || ""]);
   const pages = Math.max(1, Math.ceil(list.total / list.per_page));
   show(mine, filters, el("h2", {}, `Jobs (${list.total}; page ${list.page} of ${pages})`),
-    table(["id", "name", "user", "state", "nodes / GPUs", "submitted", "started", "retries", "exit", "why"], rows),
+    table(["id", "name", "user", "state", "nodes / GPUs", "submitted", "started", "duration", "retries", "exit", "why"], rows),
     list.page > 1 ? el("a", { href: "#/jobs?" + new URLSearchParams({ ...Object.fromEntries(params), page: list.page - 1 }) }, "« newer") : "",
     " ",
     list.page < pages ? el("a", { href: "#/jobs?" + new URLSearchParams({ ...Object.fromEntries(params), page: list.page + 1 }) }, "older »") : "");
