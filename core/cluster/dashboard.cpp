@@ -61,6 +61,7 @@ constexpr int kMaxShown = 200;                  // matches one search lists
 constexpr int kMaxStreamsEach = 4;              // live logs of one user at once
 constexpr int kMaxSubmits = 2;                  // submits from the page at once
 constexpr int kMaxReads = 4;                    // searches and downloads at once
+constexpr const char* kNoAnswer = "the head did not answer (is it stopping?)";
 constexpr const char* kBusyReading =
     "the dashboard is reading as many logs as it may at once (searches and downloads): try again "
     "in a moment";
@@ -535,7 +536,7 @@ struct Dashboard::State {
     const jobs::Caller caller{s.user, s.admin, from};
     auto answer = ask(caller, transport::ClusterMessage{0, std::move(body)});
     if (!answer || !std::holds_alternative<Answer>(answer->body)) {
-      refuse(res, 502, "the head did not answer (is it stopping?)");
+      refuse(res, 502, kNoAnswer);
       return std::nullopt;
     }
     return std::get<Answer>(std::move(answer->body));
@@ -557,7 +558,7 @@ struct Dashboard::State {
     auto answer =
         ask(jobs::Caller{s.user, s.admin, from}, transport::ClusterMessage{0, proto::Cluster{q}});
     if (!answer || !std::holds_alternative<proto::LogsChunk>(answer->body)) {
-      error = "the head did not answer (is it stopping?)";
+      error = kNoAnswer;
       return std::nullopt;
     }
     auto chunk = std::get<proto::LogsChunk>(std::move(answer->body));
@@ -849,6 +850,8 @@ struct Dashboard::State {
                   std::string error;
                   const auto chunk = log_piece(s, from, *q, error);
                   if (!chunk) {
+                    // The head did not answer (it stops, or restarts): the page reconnects.
+                    if (error == kNoAnswer) return false;
                     event(sink, "error", json{{"error", error}});
                     sink.done();
                     return true;

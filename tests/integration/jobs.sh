@@ -99,6 +99,17 @@ web_session() {
   change=("${auth[@]}" -H "X-CSRF-Token: $csrf" -H "Origin: $WEB")
 }
 
+# nvml_dir: a folder where the tests' stand-in NVML (tests/fixtures/nvml) is libnvidia-ml.so.1;
+# an agent started with it first in LD_LIBRARY_PATH samples what $TMP/nvml says (TWINKLE_FAKE_NVML).
+nvml_dir() {
+  local lib
+  lib="$(dirname "$PLUGIN")/nvml/libtwinkle_test_nvml.so"
+  [ -f "$lib" ] || fail "no $lib: build the tests"
+  mkdir -p "$TMP/nvml-lib"
+  ln -sf "$lib" "$TMP/nvml-lib/libnvidia-ml.so.1"
+  echo "$TMP/nvml-lib"
+}
+
 # job_field ID FIELD: a field of the job in `twinkle jobs --all --json`.
 job_field() {
   "$TWK" jobs --all --json --address "$ADDR" "${MEMBER[@]}" |
@@ -816,8 +827,7 @@ sys.exit(0 if r["count"]==3 and r["shown"]==3 and all("SAY a:2 line" in x["text"
     # (tests/fixtures/nvml), loaded by node g1's agent only, reporting what $TMP/nvml says. The
     # cluster view and /metrics show each GPU's use and follow it as it changes, with the run
     # holding it; a node without NVML shows none (never a made-up number).
-    NVML_DIR="$(dirname "$PLUGIN")/nvml"
-    [ -f "$NVML_DIR/libnvidia-ml.so.1" ] || fail "no $NVML_DIR/libnvidia-ml.so.1: build the tests"
+    NVML_DIR=$(nvml_dir) || exit 1
     printf '37 1073741824\n5 0\n' >"$TMP/nvml"
     start_head --dashboard 0
     start_agent n1 --cpus 4
@@ -885,7 +895,7 @@ sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1
     for n in n1 n2; do start_agent "$n" --cpus 4; done
     # n3 samples 2 GPUs through the tests' stand-in NVML (see dashboard_gpu).
     printf '37 1073741824\n5 0\n' >"$TMP/nvml"
-    NVML_DIR="$(dirname "$PLUGIN")/nvml"
+    NVML_DIR=$(nvml_dir) || exit 1
     TWINKLE_FAKE_NVML="$TMP/nvml" LD_LIBRARY_PATH="$NVML_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       start_agent n3 --cpus 4
     fixture_dir r relay

@@ -42,7 +42,11 @@ async function api(path, options) {
   o.headers = Object.assign(auth(), o.headers || {});
   const res = await fetch("/api/v1" + path, o);
   const body = await res.json().catch(() => ({ error: res.statusText }));
-  if (!res.ok) throw new Error(body.error || res.statusText);
+  if (!res.ok) {
+    const e = new Error(body.error || res.statusText);
+    e.status = res.status;
+    throw e;
+  }
   return body;
 }
 
@@ -95,8 +99,10 @@ function gpu_use(n) {
 function rank_gpu_use(c, r) {
   const n = c && c.nodes.find((x) => x.id === r.node);
   if (!n || !(r.gpus || []).length) return "-";
-  const use = r.gpus.map((i) => n.gpus.find((g) => g.index === i)).filter((g) => g && g.util !== undefined);
-  return use.length ? use.map((g) => `${g.util}%, ${bytes(g.memory_used || 0)}`).join("; ") : "not sampled";
+  return r.gpus.map((i) => {
+    const g = n.gpus.find((x) => x.index === i);
+    return g && g.util !== undefined ? `GPU ${i}: ${g.util}%, ${bytes(g.memory_used || 0)}` : `GPU ${i}: not sampled`;
+  }).join("; ");
 }
 
 async function cluster(mine) {
@@ -115,10 +121,23 @@ async function cluster(mine) {
     table(["run", "job", "user", "devices"], res));
 }
 
+// The filter form is built once per route, so what is being typed in it survives the refresh.
+let jobs_view = null;  // {hash, root, filters, list}
+
 async function jobs(mine, params) {
   const q = new URLSearchParams(params);
   const list = await api("/jobs?" + q.toString());
-  const filters = el("form", { class: "filters", onsubmit: (e) => {
+  if (mine !== generation) return;
+  if (!jobs_view || jobs_view.hash !== location.hash || !jobs_view.root.isConnected) {
+    jobs_view = { hash: location.hash, filters: jobs_filters(params), list: el("div", {}) };
+    jobs_view.root = el("section", { id: "jobs" }, jobs_view.filters, jobs_view.list);
+    show(mine, jobs_view.root);
+  }
+  jobs_list(jobs_view, params, list);
+}
+
+function jobs_filters(params) {
+  return el("form", { class: "filters", onsubmit: (e) => {
     e.preventDefault();
     const f = new FormData(e.target);
     location.hash = "#/jobs?" + new URLSearchParams([...f.entries()].filter(([, v]) => v)).toString();
@@ -129,13 +148,16 @@ async function jobs(mine, params) {
   el("label", {}, el("input", Object.assign({ type: "checkbox", name: "all", value: "1" },
     params.get("all") ? { checked: "" } : {})), " history"),
   el("button", { type: "submit" }, "Filter"));
+}
+
+function jobs_list(v, params, list) {
   const rows = list.jobs.map((j) => [el("a", { href: `#/job/${j.id}` }, String(j.id)) ,
     j.name + (j.kind === "interactive" ? " *" : ""), j.user,
     el("span", { class: "state-" + j.state }, j.state), `${j.nodes} / ${j.gpus}`,
     when(j.submitted), when(j.started), duration(j), j.retries, j.exit_code === undefined ? "-" : j.exit_code,
     j.reason || ""]);
   const pages = Math.max(1, Math.ceil(list.total / list.per_page));
-  show(mine, filters, el("h2", {}, `Jobs (${list.total}; page ${list.page} of ${pages})`),
+  v.list.replaceChildren(el("h2", {}, `Jobs (${list.total}; page ${list.page} of ${pages})`),
     table(["id", "name", "user", "state", "nodes / GPUs", "submitted", "started", "duration", "retries", "exit", "why"], rows),
     list.page > 1 ? el("a", { href: "#/jobs?" + new URLSearchParams({ ...Object.fromEntries(params), page: list.page - 1 }) }, "« newer") : "",
     " ",
@@ -199,18 +221,22 @@ function job_layout(id) {
 // The info part: redrawn only when the job changed. The buttons have a part of their own, redrawn
 // only when which of them apply changes, so one under the pointer stays put while a job runs.
 function job_info(p, j) {
-  const text = JSON.stringify(j);
-  if (text === p.last) return;
-  p.last = text;
   const placement = (j.placement || []).map((r) => [r.group + ":" + r.rank, r.node, (r.gpus || []).join(",") || "-",
     j.gpu_use ? rank_gpu_use(j.gpu_use, r) : "-"]);
+  // What is shown, without what changes on every refresh and is not (the log's last lines, the
+  // nodes' heartbeats).
+  const { summary, audit, gpu_use, ...shown } = j;
+  const text = JSON.stringify([shown, placement]);
+  if (text === p.last) return;
+  p.last = text;
   const about = [j.job_file ? `job file ${j.job_file}` : "",
     (j.overrides || []).length ? "overrides " + j.overrides.join(" ") : "",
     j.sha256 ? `sha256 ${j.sha256}` : ""].filter((s) => s);
   p.summary.replaceChildren(el("h2", {}, `Job ${j.id}: ${j.name}`),
     table(["user", "state", "submitted", "started", "ended", "exit", "retries", "GPU-seconds"],
       [[j.user, el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
-        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries, (j.gpu_seconds || 0).toFixed(0)]]));
+        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries,
+        j.ended ? (j.gpu_seconds || 0).toFixed(0) : "-"]]));
   job_buttons(p, j);
   p.details.replaceChildren(j.reason ? el("p", {}, j.reason) : "",
     about.length ? el("p", { class: "dim" }, about.join("; ")) : "",
@@ -225,11 +251,15 @@ async function draw_topology(p, j) {
   if (!j.job_text || !(j.placement || []).length || key === p.drawn) return;
   p.drawn = key;
   try {
-    p.topology.textContent = (await api(`/jobs/${j.id}/topology`)).text;
+    const t = await api(`/jobs/${j.id}/topology`);
+    if (p.drawn !== key) return;  // its placement changed meanwhile: a newer drawing comes
+    p.topology.textContent = t.text;
     p.topology.className = "topology";
   } catch (e) {
+    if (p.drawn !== key) return;
     p.topology.textContent = e.message;
     p.topology.className = "topology error";
+    if (!e.status || e.status >= 500) p.drawn = "";  // the head did not answer: ask again
   }
 }
 
@@ -294,18 +324,21 @@ function follow_log(p) {
 // Reads the stream until it ends; one that drops without its `end` (the network, a restarted
 // head) resumes after 1 s from the last offset. A refusal (4xx) or an `error` event stops.
 async function read_events(p, ctl, filter) {
-  while (!ctl.signal.aborted) {
-    let outcome;
+  for (let fails = 0; !ctl.signal.aborted; ++fails) {
+    let outcome, why = "The log's stream dropped";
     try {
       outcome = await stream_events(p, ctl, filter);
+      if (outcome === "live") fails = 0;  // it was up: the next wait is short again
     } catch (e) {
       if (ctl.signal.aborted) return;
       if (e.refused) { log_status(p, "error", e.message); return; }
       outcome = "dropped";
+      if (e.message) why = e.message;  // a 503's reason (too many live logs open)
     }
-    if (outcome !== "dropped") return;
-    log_status(p, "reconnecting", "The log's stream dropped; reconnecting in 1 s…");
-    await sleep(1000);
+    if (outcome !== "dropped" && outcome !== "live") return;
+    const wait = Math.min(30, 2 ** Math.min(fails, 5));  // 1 s, doubling to 30 s
+    log_status(p, "reconnecting", `${why}; reconnecting in ${wait} s…`);
+    await sleep(wait * 1000);
   }
 }
 
@@ -323,9 +356,11 @@ async function stream_events(p, ctl, filter) {
   const reader = res.body.getReader();
   const decoder = new TextDecoder();
   let buf = "";
+  let seen = false;  // anything came: the connection was up
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return "dropped";
+    if (done) return seen ? "live" : "dropped";
+    seen = true;
     buf += decoder.decode(value, { stream: true });
     for (let m; (m = /\r?\n\r?\n/.exec(buf));) {
       const frame = buf.slice(0, m.index);
@@ -374,12 +409,18 @@ function on_event(p, { event, body }) {
   return "";
 }
 
+const kLogKept = 8 << 20;  // characters of log the page holds at most
+
 // Appends, and keeps following the end only if the reader was there (not scrolled up to read).
 function append_log(p, text) {
   if (!text) return;
   const pre = p.pre;
   const at_end = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 4;
   pre.append(text);
+  // The page keeps the last few MB; Download has all of it.
+  if (pre.textContent.length > kLogKept) {
+    pre.textContent = "[… the start is cut here: Download has the whole log]\n" + pre.textContent.slice(-kLogKept / 2);
+  }
   if (at_end) pre.scrollTop = pre.scrollHeight;
 }
 
@@ -580,7 +621,10 @@ async function route() {
   const params = new URLSearchParams(query || "");
   const m = path.match(/^\/job\/(\d+)$/);
   if (!m || !job_page || job_page.id !== Number(m[1])) close_job();  // left the job: its stream stops
-  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", path.startsWith(a.getAttribute("href").slice(1)));
+  for (const a of document.querySelectorAll("nav a")) {
+    const own = a.getAttribute("href").slice(1);
+    a.classList.toggle("here", path.startsWith(own) || (own === "/jobs" && path.startsWith("/job/")));
+  }
   try {
     if (!session) session = await api("/session");
     document.getElementById("who").textContent = session.user + (session.admin ? " (admin)" : "");
@@ -594,13 +638,26 @@ async function route() {
     else await cluster(mine);
   } catch (e) {
     if (mine !== generation) return;
-    session = null;
-    close_job();
-    show(mine, el("p", { class: "error" }, e.message));
+    if (e.status === 401 || e.status === 403 || e.status === 404 || !document.getElementById("main").firstChild ||
+        !session) {
+      // Logged out, or nothing to keep showing: say so (a 401 says how to log in again).
+      if (e.status === 401) session = null;
+      close_job();
+      jobs_view = null;
+      show(mine, el("p", { class: "error" }, e.message));
+    } else {
+      // The head did not answer (restarting?): keep the view and its live log, and try again.
+      document.getElementById("who").textContent = `${session.user}: ${e.message}; retrying`;
+    }
+    refresh_fails = Math.min(refresh_fails + 1, 5);
+    if (mine === generation) timer = setTimeout(route, 1000 * 2 ** refresh_fails);
     return;
   }
+  refresh_fails = 0;
   if (mine === generation) timer = setTimeout(route, 1000);
 }
+
+let refresh_fails = 0;  // refreshes that failed in a row: the next waits longer (to 32 s)
 
 window.addEventListener("hashchange", route);
 route();
