@@ -533,12 +533,17 @@ struct Dashboard::State {
   template <class Answer>
   std::optional<Answer> head(const Session& s, const std::string& from, proto::Cluster body,
                              httplib::Response& res) {
-    const jobs::Caller caller{s.user, s.admin, from};
-    auto answer = ask(caller, transport::ClusterMessage{0, std::move(body)});
-    if (!answer || !std::holds_alternative<Answer>(answer->body)) {
-      refuse(res, 502, kNoAnswer);
-      return std::nullopt;
-    }
+    auto answer = answer_of<Answer>(s, from, std::move(body));
+    if (!answer) refuse(res, 502, kNoAnswer);
+    return answer;
+  }
+
+  // The head's answer of type Answer, or nullopt when it did not answer.
+  template <class Answer>
+  std::optional<Answer> answer_of(const Session& s, const std::string& from, proto::Cluster body) {
+    auto answer =
+        ask(jobs::Caller{s.user, s.admin, from}, transport::ClusterMessage{0, std::move(body)});
+    if (!answer || !std::holds_alternative<Answer>(answer->body)) return std::nullopt;
     return std::get<Answer>(std::move(answer->body));
   }
 
@@ -555,15 +560,9 @@ struct Dashboard::State {
   // One piece of a log; nullopt with `error` saying why there is none.
   std::optional<proto::LogsChunk> log_piece(const Session& s, const std::string& from,
                                             const proto::LogsQuery& q, std::string& error) {
-    auto answer =
-        ask(jobs::Caller{s.user, s.admin, from}, transport::ClusterMessage{0, proto::Cluster{q}});
-    if (!answer || !std::holds_alternative<proto::LogsChunk>(answer->body)) {
-      error = kNoAnswer;
-      return std::nullopt;
-    }
-    auto chunk = std::get<proto::LogsChunk>(std::move(answer->body));
-    if (chunk.error) {
-      error = *chunk.error;
+    auto chunk = answer_of<proto::LogsChunk>(s, from, q);
+    if (!chunk || chunk->error) {
+      error = chunk ? *chunk->error : kNoAnswer;
       return std::nullopt;
     }
     return chunk;
