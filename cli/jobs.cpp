@@ -28,6 +28,7 @@
 #include "core/job/job.hpp"
 #include "core/job/json_value.hpp"
 #include "core/job/resources.hpp"
+#include "core/job/size.hpp"
 #include "core/job/topology.hpp"
 #include "core/jobs/archive.hpp"
 #include "core/jobs/supervisor.hpp"
@@ -180,34 +181,18 @@ struct SubmitOptions {
   std::vector<std::string> overrides;
   std::string name, working_dir, after;
   int max_retries = 0;
+  int priority = 0;
   bool wait = false, json = false;
   std::string max_upload = "1GiB";
   ClusterFlags cluster;
 };
 
-// "512MiB", "2GiB", "100M", "4096": bytes.
-std::uint64_t parse_size(const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  std::string unit = text.substr(used);
-  for (auto& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  double scale = 0;
-  if (unit.empty() || unit == "b")
-    scale = 1;
-  else if (unit == "k" || unit == "kib" || unit == "kb")
-    scale = 1024.0;
-  else if (unit == "m" || unit == "mib" || unit == "mb")
-    scale = 1024.0 * 1024;
-  else if (unit == "g" || unit == "gib" || unit == "gb")
-    scale = 1024.0 * 1024 * 1024;
-  if (used == 0 || scale == 0 || v <= 0)
+// --max-upload: "512MiB", "2GiB", "100M", "4096" (bytes).
+std::uint64_t upload_limit(const std::string& text) {
+  const auto bytes = core::parse_size(text);
+  if (!bytes)
     throw ConfigError(fmt::format("--max-upload {}: give a size such as 512MiB or 2GiB", text));
-  return static_cast<std::uint64_t>(v * scale);
+  return *bytes;
 }
 
 int exit_of(const proto::JobEntry& j) {
@@ -255,7 +240,7 @@ int run_submit(const SubmitOptions& o) {
                "travel with the job, and must be at that path on the head's machine\n",
                job.plugin_path.string(), work.string());
   }
-  const auto packed = core::jobs::pack_dir(work, parse_size(o.max_upload));
+  const auto packed = core::jobs::pack_dir(work, upload_limit(o.max_upload));
 
   Client c(o.cluster);
   proto::UploadCheck check{packed.sha256, static_cast<std::int64_t>(packed.bytes.size())};
@@ -277,6 +262,7 @@ int run_submit(const SubmitOptions& o) {
   s.overrides = o.overrides;
   s.max_retries = o.max_retries;
   s.after = after;
+  s.priority = o.priority;
   s.user = local_user();
   s.from = host_name();
   const auto answer = c.ask<proto::JobAnswer>(s);
@@ -316,13 +302,13 @@ struct JobsOptions {
 };
 
 int run_jobs(const JobsOptions& o) {
-  static const std::vector<std::string> states = {"QUEUED",  "RUNNING", "SUCCEEDED", "FAILED",
-                                                  "STOPPED", "DROPPED", "ENDED"};
+  static const std::vector<std::string> states = {"QUEUED", "RUNNING", "PREEMPTED", "SUCCEEDED",
+                                                  "FAILED", "STOPPED", "DROPPED",   "ENDED"};
   std::string state = o.state;
   for (auto& ch : state) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
   if (!state.empty() && std::find(states.begin(), states.end(), state) == states.end())
     throw ConfigError(
-        fmt::format("--state {}: one of QUEUED, RUNNING, SUCCEEDED, FAILED, "
+        fmt::format("--state {}: one of QUEUED, RUNNING, PREEMPTED, SUCCEEDED, FAILED, "
                     "STOPPED, DROPPED, ENDED",
                     o.state));
   Client c(o.cluster);
@@ -338,16 +324,25 @@ int run_jobs(const JobsOptions& o) {
     fmt::print("{}\n", out.dump(2));
     return kExitOk;
   }
-  fmt::print("{:>5}  {:<16} {:<12} {:<10} {:>5} {:>4}  {:<14} {:<14} {:>9} {:>7} {:>4}\n", "ID",
-             "NAME", "USER", "STATE", "NODES", "GPUS", "SUBMITTED", "STARTED", "DURATION",
-             "RETRIES", "EXIT");
+  // The TEAM column only where there are teams: a cluster of one team has nothing to show there.
+  const bool teams = std::any_of(info.jobs.begin(), info.jobs.end(),
+                                 [](const proto::JobEntry& j) { return j.team != "default"; });
+  auto user_of = [&](const proto::JobEntry& j) {
+    return teams ? fmt::format("{:<12} {:<10}", j.user, j.team) : fmt::format("{:<12}", j.user);
+  };
+  fmt::print("{:>5}  {:<16} {} {:<10} {:>5} {:>4}  {:<14} {:<14} {:>9} {:>7} {:>4}\n", "ID", "NAME",
+             teams ? fmt::format("{:<12} {:<10}", "USER", "TEAM") : "USER        ", "STATE",
+             "NODES", "GPUS", "SUBMITTED", "STARTED", "DURATION", "RETRIES", "EXIT");
   for (const auto& j : info.jobs) {
-    fmt::print("{:>5}  {:<16} {:<12} {:<10} {:>5} {:>4}  {:<14} {:<14} {:>9} {:>7} {:>4}\n", j.id,
-               j.name + (j.kind == "interactive" ? "*" : ""), j.user, j.state, j.nodes, j.gpus,
+    fmt::print("{:>5}  {:<16} {} {:<10} {:>5} {:>4}  {:<14} {:<14} {:>9} {:>7} {:>4}\n", j.id,
+               j.name + (j.kind == "interactive" ? "*" : ""), user_of(j), j.state, j.nodes, j.gpus,
                when(j.submitted), when(j.started), duration(j),
                j.kind == "interactive" ? std::string("-") : std::to_string(j.retries),
                j.exit_code ? std::to_string(*j.exit_code) : std::string("-"));
-    if (j.state == "QUEUED" && !j.reason.empty()) fmt::print("       {}\n", j.reason);
+    // Why it waits; for one that borrows, that it does.
+    if ((j.state == "QUEUED" || j.state == "PREEMPTED" || j.state == "RUNNING") &&
+        !j.reason.empty())
+      fmt::print("       {}\n", j.reason);
   }
   if (std::any_of(info.jobs.begin(), info.jobs.end(),
                   [](const proto::JobEntry& j) { return j.kind == "interactive"; }))
@@ -409,6 +404,13 @@ int run_show(const ShowOptions& o) {
   fmt::print("  kind       {}\n",
              j.kind == "interactive" ? "interactive (twinkle run --address)" : "submitted");
   fmt::print("  user       {}{}\n", j.user, j.from.empty() ? "" : " from " + j.from);
+  fmt::print("  team       {}{}{}\n", j.team,
+             j.priority ? fmt::format(", priority {}", j.priority) : "",
+             j.preemptible ? "" : ", preemptible = false");
+  if (j.preemptions) {
+    fmt::print("  preempted  {} time{}, last for job {}\n", j.preemptions,
+               j.preemptions == 1 ? "" : "s", j.preempted_by);
+  }
   if (!j.job_file.empty()) fmt::print("  job file   {}\n", j.job_file);
   for (const auto& s : j.overrides) fmt::print("  --set      {}\n", s);
   if (j.after) fmt::print("  after      job {} ({})\n", j.after->job, j.after->condition);
@@ -457,6 +459,62 @@ int run_stop(const StopOptions& o) {
   const auto a = c.ask<proto::JobAnswer>(s);
   if (a.error) throw Error(*a.error);
   fmt::print("{}\n", a.text);
+  return kExitOk;
+}
+
+// ----- quotas -----------------------------------------------------------------------------------
+
+struct QuotasOptions {
+  bool json = false;
+  bool reload = false;
+  ClusterFlags cluster;
+};
+
+// "3 / 4": what a team uses of a quota ("3 / -" without a limit).
+std::string of_quota(int used, const std::optional<int>& quota) {
+  return fmt::format("{} / {}", used, quota ? std::to_string(*quota) : std::string("-"));
+}
+
+int run_quotas(const QuotasOptions& o) {
+  Client c(o.cluster);
+  proto::QuotasQuery q;
+  q.reload = o.reload;
+  q.user = local_user();
+  q.from = host_name();
+  const auto info = c.ask<proto::QuotasInfo>(q);
+  if (info.error) throw Error(*info.error);
+  if (o.json) {
+    fmt::print("{}\n", to_json(proto::to_value(info)).dump(2));
+    return kExitOk;
+  }
+  if (!info.text.empty()) fmt::print("{}\n", info.text);
+  if (info.file.empty()) {
+    fmt::print(
+        "no quotas file (start the head with --quotas FILE): no team has a limit; fair "
+        "share still orders the queue\n");
+  } else {
+    fmt::print("quotas from {}; fair share over a half-life of {:g} h\n", info.file,
+               info.half_life_s / 3600);
+  }
+  fmt::print("{:<14} {:>9} {:>9} {:>9} {:>9} {:>6} {:>8} {:>8} {:>8} {:>8}  {}\n", "TEAM", "GPUS",
+             "BORROWED", "CPUS", "BORROWED", "WEIGHT", "GPU-H", "CPU-H", "RUNNING", "WAITING",
+             "MEMBERS");
+  for (const auto& t : info.teams) {
+    fmt::print("{:<14} {:>9} {:>9} {:>9} {:>9} {:>6g} {:>8.2f} {:>8.2f} {:>8} {:>8}  {}{}\n",
+               t.name + (t.listed ? "" : "*"), of_quota(t.used_gpus, t.gpus),
+               fmt::format("{} / {}", t.borrowed_gpus, t.borrow_gpus),
+               of_quota(t.used_cpus, t.cpus),
+               fmt::format("{} / {}", t.borrowed_cpus, t.borrow_cpus), t.weight,
+               t.gpu_seconds / 3600, t.cpu_seconds / 3600, t.running, t.waiting,
+               fmt::join(t.members, ", "), t.members.empty() ? "-" : "");
+  }
+  fmt::print(
+      "(GPUS, CPUS: used / quota, - for no limit; BORROWED: beyond the quota / the most it "
+      "may borrow; GPU-H, CPU-H: past use, decayed, that fair share weighs, GPUs first{})\n",
+      std::any_of(info.teams.begin(), info.teams.end(),
+                  [](const proto::TeamEntry& t) { return !t.listed; })
+          ? "; * not in the quotas file: the default team's numbers"
+          : "");
   return kExitOk;
 }
 
@@ -549,6 +607,11 @@ void setup_jobs(CLI::App& app, Action& action) {
                    "Start a failed driver again up to N times (from its newest checkpoint when "
                    "the job has a checkpoint_dir; exit 2, 3 and 75 are not retried)")
       ->check(CLI::Range(0, 100));
+  submit
+      ->add_option("--priority", so->priority,
+                   "Its place among its team's queued jobs: higher first (default 0; the quotas "
+                   "file bounds it per team, 10 by default)")
+      ->check(CLI::Range(-1000, 1000));
   submit->add_option("--after", so->after,
                      "Run only after job ID ends: ID[:ok|notok|any] (default ok: succeeded)");
   submit->add_flag("--wait", so->wait, "Follow its log and exit with its exit code");
@@ -593,6 +656,18 @@ void setup_jobs(CLI::App& app, Action& action) {
   stop->add_flag("--now", sto->now, "Kill its driver and workers at once");
   add_job_flags(stop, sto->cluster);
   stop->callback([sto, &action] { action = [sto] { return run_stop(*sto); }; });
+
+  auto qo = std::make_shared<QuotasOptions>();
+  auto* quotas =
+      app.add_subcommand("quotas", "Each team's quota, use, borrowing and fair share on a cluster");
+  quotas->add_flag("--json", qo->json, "Print JSON");
+  add_job_flags(quotas, qo->cluster);
+  auto* reload = quotas->add_subcommand(
+      "reload", "Read the head's quotas file again (an admin's; as SIGHUP to the head)");
+  add_job_flags(reload, qo->cluster);
+  reload->add_flag("--json", qo->json, "Print JSON");
+  reload->callback([qo] { qo->reload = true; });
+  quotas->callback([qo, &action] { action = [qo] { return run_quotas(*qo); }; });
 
   auto dash = std::make_shared<DashboardOptionsCli>();
   auto* dashboard =

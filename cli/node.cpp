@@ -61,6 +61,7 @@ struct NodeStartOptions {
   std::string dashboard;  // [ADDR:]PORT
   std::string tls_cert, tls_key;
   std::vector<std::string> dashboard_names;
+  std::string quotas;  // the teams' quotas file
 };
 
 // --dashboard [ADDR:]PORT: ADDR defaults to 127.0.0.1; any other address only over TLS.
@@ -171,6 +172,7 @@ int run_node_start(NodeStartOptions o) {
         "one as a node)");
   }
   if (!o.head && o.no_agent) throw ConfigError("node start: --no-agent goes with --head");
+  if (!o.head && !o.quotas.empty()) throw ConfigError("node start: --quotas goes with --head");
   // Stop signals go to one waiting thread; every other thread blocks them.
   sigset_t set;
   sigemptyset(&set);
@@ -217,6 +219,7 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
+      if (!o.quotas.empty()) ho.quotas_file = std::filesystem::absolute(o.quotas);
       if (o.dashboard.empty() &&
           (!o.tls_cert.empty() || !o.tls_key.empty() || !o.dashboard_names.empty()))
         throw ConfigError(
@@ -288,6 +291,12 @@ int run_node_start(NodeStartOptions o) {
     }
     int sig = 0;
     sigwait(&set, &sig);
+    // A head with a quotas file reads it again on SIGHUP (and goes on); other nodes stop.
+    while (sig == SIGHUP && head && !o.quotas.empty()) {
+      log_line("head", fmt::format("SIGHUP: reading the quotas file {} again", o.quotas));
+      head->reload_quotas();
+      sigwait(&set, &sig);
+    }
     log_line(o.head ? "head" : "agent", fmt::format("stopping ({}){}",
                                                     sig == SIGTERM  ? "SIGTERM"
                                                     : sig == SIGINT ? "SIGINT"
@@ -439,6 +448,9 @@ void setup_node(CLI::App& app, Action& action) {
   start->add_option("--dashboard-name", o->dashboard_names,
                     "With --dashboard: another name browsers reach it by (the certificate's, e.g. "
                     "an FQDN; repeatable); the first is the login links'");
+  start->add_option("--quotas", o->quotas,
+                    "With --head: the teams' quotas, borrowing limits and fair-share weights "
+                    "(TOML, twinkle-quotas(1)); read again on SIGHUP and `twinkle quotas reload`");
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");

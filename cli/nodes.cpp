@@ -56,6 +56,8 @@ int run_cluster_nodes(const NodesOptions& o, const std::string& address) {
                fmt::format("{}/{}", gpus_free, n["gpus"].list_items().size()),
                core::format_bytes(static_cast<std::uint64_t>(n["memory"].as<std::int64_t>())),
                n["heartbeat_age_s"].as<double>(), labels.empty() ? "-" : labels);
+    if (const auto iso = n["isolation"].as<std::string>(); !iso.empty())
+      fmt::print("  isolation: {}\n", iso);
     for (const auto& g : n["gpus"]) {
       const std::string run = g["run"].as<std::string>();
       const auto mem = g["memory"].as<std::int64_t>();

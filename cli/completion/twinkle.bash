@@ -1,7 +1,7 @@
 # bash completion for twinkle(1): commands, their flags, job files (*.toml) after run, topology
-# and submit, plugin files (*.so) after inspect, job states after jobs --state, folders and key
-# files after the flags that take them. Installed where bash-completion loads it on first use; or
-# source it from ~/.bashrc.
+# and submit, plugin files (*.so) after inspect, job states after jobs --state, folders, key files
+# and quotas files after the flags that take them. Installed where bash-completion loads it on
+# first use; or source it from ~/.bashrc.
 # Keep the flags in step with cli/*.cpp: the completion_flags test compares them with --help.
 
 _twinkle_flags() {
@@ -16,7 +16,7 @@ _twinkle_flags() {
     nodes) echo "--json --address --key --head-key --insecure --help" ;;
     inspect) echo "--json --help" ;;
     submit)
-      echo "--set --name --working-dir --max-retries --after --wait --max-upload --json" \
+      echo "--set --name --working-dir --max-retries --priority --after --wait --max-upload --json" \
         "--address --key --head-key --insecure --help"
       ;;
     jobs) echo "--all --user --state --json --address --key --head-key --insecure --help" ;;
@@ -26,12 +26,14 @@ _twinkle_flags() {
       echo "--follow --rank --driver --grep --tail --address --key --head-key --insecure --help"
       ;;
     stop) echo "--now --address --key --head-key --insecure --help" ;;
+    quotas | "quotas reload") echo "--json --address --key --head-key --insecure --help" ;;
     dashboard) echo "--no-open --address --key --head-key --insecure --help" ;;
     keygen) echo "--out --name --force --help" ;;
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
-        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key --dashboard-name --key --authorized-keys" \
-        "--head-key --insecure --daemon --pid-file --log-file --help"
+        "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key" \
+        "--dashboard-name --quotas --key --authorized-keys --head-key --insecure --daemon" \
+        "--pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;
     node) echo "--help" ;;
@@ -58,14 +60,14 @@ _twinkle() {
   local cmd="" i w
   COMPREPLY=()
 
-  # The command is the first word that is not a flag; `node` takes one more (start, stop), and
-  # `job` one more (show).
+  # The command is the first word that is not a flag; `node` takes one more (start, stop), `job`
+  # one more (show), and `quotas` one more (reload).
   for ((i = 1; i < COMP_CWORD; i++)); do
     w=${COMP_WORDS[i]}
     [[ $w == -* ]] && continue
     if [[ -z $cmd ]]; then
       cmd=$w
-    elif [[ $cmd == node || $cmd == job ]]; then
+    elif [[ $cmd == node || $cmd == job || $cmd == quotas ]]; then
       cmd="$cmd $w"
       break
     fi
@@ -77,17 +79,19 @@ _twinkle() {
       _twinkle_files --dirs "$cur"
       return
       ;;
-    --key | --authorized-keys | --head-key | --pid-file | --log-file | --tls-cert | --tls-key)
+    --key | --authorized-keys | --head-key | --pid-file | --log-file | --tls-cert | --tls-key | \
+      --quotas)
       _twinkle_files "" "$cur"
       return
       ;;
     --state)
-      COMPREPLY=($(compgen -W "QUEUED RUNNING SUCCEEDED FAILED STOPPED DROPPED ENDED" -- "$cur"))
+      COMPREPLY=($(compgen -W "QUEUED RUNNING PREEMPTED SUCCEEDED FAILED STOPPED DROPPED ENDED" \
+        -- "$cur"))
       return
       ;;
     --set | --gpus | --cpus | --port | --address | --labels | --node-id | --node-ip | --name | \
       --max-retries | --after | --max-upload | --user | --rank | --grep | --tail | --keep-jobs | \
-      --job-log-mb | --timeout)
+      --job-log-mb | --timeout | --priority)
       return
       ;;
   esac
@@ -98,11 +102,12 @@ _twinkle() {
   fi
   case $cmd in
     "")
-      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop dashboard keygen" \
-        -- "$cur"))
+      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop quotas \
+        dashboard keygen" -- "$cur"))
       ;;
     node) COMPREPLY=($(compgen -W "start stop" -- "$cur")) ;;
     job) COMPREPLY=($(compgen -W "show" -- "$cur")) ;;
+    quotas) COMPREPLY=($(compgen -W "reload" -- "$cur")) ;;
     run | topology | submit) _twinkle_files .toml "$cur" ;;
     inspect) _twinkle_files .so "$cur" ;;
   esac

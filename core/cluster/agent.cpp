@@ -17,8 +17,10 @@
 #include "core/cluster/head_link.hpp"
 #include "core/job/digest.hpp"
 #include "core/job/resources.hpp"
+#include "core/job/size.hpp"
 #include "core/job/unix_time.hpp"
 #include "core/job/values.hpp"
+#include "core/runtime/cgroup.hpp"
 #include "core/runtime/spawner.hpp"
 #include "twinkle/errors.hpp"
 
@@ -34,7 +36,11 @@ struct Job {
   std::int64_t since = 0;
   std::vector<int> gpus;
   int cpus = 0;
-  proto::Launch launch;  // the launch request, kept until its plugin is here
+  std::int64_t memory = 0;  // its workers' memory limits, summed
+  proto::Launch launch;     // the launch request, kept until its plugin is here
+  // Its workers' cgroups (none where cgroups are not usable); declared before the spawner, so
+  // that the workers are reaped before their folders go.
+  std::shared_ptr<RunCgroup> cgroup;
   std::unique_ptr<Spawner> spawner;
   std::thread stopper;
   std::atomic<bool> done{false};
@@ -64,7 +70,8 @@ struct Agent::State {
   AgentOptions o;
   std::string host;
   NodeResources resources;
-  GpuMeter meter;  // the GPUs' use for each heartbeat, where NVML is there
+  GpuMeter meter;         // the GPUs' use for each heartbeat, where NVML is there
+  CgroupSupport cgroups;  // how this node keeps runs apart (docs/ARCHITECTURE.md, Isolation)
   std::vector<int> gpu_indices;
   std::unique_ptr<HeadLink> link;
   std::mutex mu;  // guards jobs
@@ -101,10 +108,12 @@ struct Agent::State {
                                        g.uuid, "", std::nullopt, std::nullopt});
     }
     r.labels = o.labels;
+    r.isolation = cgroups.describe();
     std::lock_guard lock(mu);
     for (const auto& [run, j] : jobs) {
       if (j->done) continue;
-      r.jobs.push_back(proto::NodeJob{run, j->job, j->owner, j->since, j->gpus, j->cpus});
+      r.jobs.push_back(
+          proto::NodeJob{run, j->job, j->owner, j->since, j->gpus, j->cpus, j->memory});
     }
     return r;
   }
@@ -132,6 +141,7 @@ struct Agent::State {
     j->since = unix_now();
     j->gpus = m.gpus;
     j->cpus = m.cpus;
+    for (const auto& w : m.workers) j->memory += w.memory;
     j->launch = std::move(m);
     const std::string sha = j->launch.sha256;
     Job& job = *j;
@@ -192,17 +202,41 @@ struct Agent::State {
       return fail_launch(j.run, e.what());
     }
     const std::string run = j.run;
+    // The run's cgroups: its CPUs as a quota, each worker's memory limit. Where they cannot be
+    // made the run goes on without (`twinkle nodes` says isolation is not enforced here).
+    std::map<std::string, std::uint64_t> limits;
+    for (const auto& w : l.workers) limits[w.name] = static_cast<std::uint64_t>(w.memory);
+    const bool limited = std::any_of(l.workers.begin(), l.workers.end(),
+                                     [](const proto::LaunchWorker& w) { return w.memory > 0; });
+    if (cgroups.kind != CgroupSupport::Kind::none) {
+      try {
+        j.cgroup = std::make_shared<RunCgroup>(cgroups, run + "." + o.node_id, j.cpus);
+      } catch (const Error& e) {
+        if (limited) return fail_launch(run, e.what());
+        log(fmt::format("run {}: its workers run without cgroups: {}", run, e.what()));
+      }
+    } else if (limited) {
+      // The head places limited workers only where cgroups are (one of another build may not).
+      return fail_launch(run, fmt::format("this node cannot enforce memory limits (isolation {})",
+                                          cgroups.describe()));
+    }
     SpawnerOptions so;
     so.on_line = [this, run](const std::string& name, bool is_stderr, const std::string& line) {
       post(proto::Output{run, name, is_stderr, line});
     };
     try {
-      j.spawner = std::make_unique<Spawner>(so, [this, run](const ProcessExit& e) {
-        log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, e.describe()));
-        post(proto::WorkerExit{
-            run, o.node_id, e.name, static_cast<int>(e.pid), e.exit_code, e.signal, e.describe(),
-            std::vector<std::string>(e.last_stderr.begin(), e.last_stderr.end())});
-      });
+      j.spawner = std::make_unique<Spawner>(
+          so, [this, run, cgroup = j.cgroup, limits](const ProcessExit& e) {
+            std::string how = e.describe();
+            // Killed by the kernel for its cgroup's memory limit: said as that, not as a signal.
+            const std::uint64_t limit = limits.count(e.name) ? limits.at(e.name) : 0;
+            if (cgroup && limit > 0 && e.signal == SIGKILL && cgroup->oom_killed(e.name))
+              how = fmt::format("exceeded its memory limit of {} (OOM-killed)", format_size(limit));
+            log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, how));
+            post(proto::WorkerExit{
+                run, o.node_id, e.name, static_cast<int>(e.pid), e.exit_code, e.signal, how,
+                std::vector<std::string>(e.last_stderr.begin(), e.last_stderr.end())});
+          });
       // The agent's environment, with the driver's variables for the worker on top.
       std::vector<std::string> base;
       for (char** e = environ; *e; ++e) base.emplace_back(*e);
@@ -230,7 +264,17 @@ struct Agent::State {
         spec.argv = {o.exe.string(), "worker",   "--endpoint",
                      l.endpoint,     "--plugin", plugin.string()};
         spec.env = std::move(env);
-        j.spawner->spawn(std::move(spec));
+        const pid_t pid = j.spawner->spawn(std::move(spec));
+        if (j.cgroup) {
+          try {
+            j.cgroup->add(w.name, pid, static_cast<std::uint64_t>(w.memory));
+          } catch (const Error& e) {
+            // A limit the job asked for and this node cannot give: the run is refused.
+            if (w.memory > 0) throw;
+            log(fmt::format("run {}: worker {} runs outside its cgroup: {}", run, w.name,
+                            e.what()));
+          }
+        }
       }
     } catch (const std::exception& e) {
       if (j.spawner) j.spawner->kill_and_reap();
@@ -319,11 +363,14 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
     s.resources.cpus = std::atoi(slurm);  // what the Slurm allocation holds on this node
   }
   s.host = s.resources.hostname;
+  s.cgroups = probe_cgroups();
+  s.log(fmt::format("isolation between jobs: {}", s.cgroups.describe()));
   // Only GPUs NVML found are sampled (declared ones it does not know).
   if (s.resources.gpu_source == GpuSource::nvml)
     for (const auto& g : s.resources.gpus) s.gpu_indices.push_back(g.index);
   if (s.o.node_id.empty()) s.o.node_id = s.host;
   if (s.o.node_ip.empty()) s.o.node_ip = route_source_address(endpoint_host(s.o.address));
+  sweep_cgroups(s.cgroups, "." + s.o.node_id);  // what a killed agent of this node id left
   s.link = std::make_unique<HeadLink>(s.o.address, s.o.security, "agent/" + s.o.node_id);
   const auto welcome =
       s.link->request<proto::NodeWelcome>(Message{0, s.registration()}, std::chrono::seconds(10));

@@ -22,6 +22,7 @@
 
 #include "core/cluster/dashboard.hpp"
 #include "core/cluster/scheduler.hpp"
+#include "core/job/resources.hpp"
 #include "core/job/unix_time.hpp"
 #include "core/job/values.hpp"
 #include "core/jobs/service.hpp"
@@ -61,12 +62,14 @@ struct Node {
   Clock::time_point last_seen = Clock::now();
   std::int64_t registered = 0;                // unix seconds
   std::map<int, proto::GpuUseEntry> gpu_use;  // by index, from the last heartbeat (NVML's)
+  std::string isolation;                      // as it registered
 };
 
 struct Bundle {
   std::string node;
   std::vector<int> gpus;
   int cpus = 0;
+  std::int64_t memory = 0;  // the memory limits of its workers
 };
 
 struct Run {
@@ -83,14 +86,17 @@ struct Run {
   bool driver_cpu = false;
 };
 
-// What `slots` take of each node, by node id: a CPU per worker and the workers' GPUs.
-std::vector<Bundle> bundles_of(const std::vector<std::vector<Slot>>& slots) {
+// What `slots` (of `demands`, in order) take of each node, by node id: a CPU per worker, the
+// workers' GPUs and their memory limits.
+std::vector<Bundle> bundles_of(const std::vector<std::vector<Slot>>& slots,
+                               const std::vector<GroupDemand>& demands) {
   std::map<std::string, Bundle> per_node;
-  for (const auto& group : slots) {
-    for (const auto& sl : group) {
+  for (std::size_t g = 0; g < slots.size(); ++g) {
+    for (const auto& sl : slots[g]) {
       Bundle& bu = per_node[sl.node];
       bu.node = sl.node;
       bu.cpus += 1;
+      bu.memory += demands.at(g).memory;
       bu.gpus.insert(bu.gpus.end(), sl.gpus.begin(), sl.gpus.end());
     }
   }
@@ -109,6 +115,9 @@ std::string driver_id(std::int64_t job) { return fmt::format("job-{}-driver", jo
 // a demand can name one node.
 constexpr const char* kNodeLabel = "twinkle/node";
 
+// Whether node `n`'s agent keeps memory limits (it registered with cgroups).
+bool enforces_memory(const Node& n) { return n.isolation.rfind("cgroup", 0) == 0; }
+
 std::vector<GroupDemand> to_demands(const std::vector<proto::GroupDemandEntry>& groups) {
   std::vector<GroupDemand> demands;
   for (const auto& g : groups) {
@@ -118,6 +127,7 @@ std::vector<GroupDemand> to_demands(const std::vector<proto::GroupDemandEntry>& 
     d.gpus_per_worker = g.gpus_per_worker;
     d.strategy = placement_strategy(g.strategy).value_or(PlacementStrategy::pack);
     d.labels = g.labels;
+    d.memory = g.memory;
     demands.push_back(std::move(d));
   }
   return demands;
@@ -146,12 +156,30 @@ struct Head::State {
   };
   std::mutex asks_mu;
   std::deque<std::shared_ptr<Ask>> asks;
-  bool closing = false;  // under asks_mu: the head stops, asks get no answer
+  bool closing = false;             // under asks_mu: the head stops, asks get no answer
+  std::atomic<bool> reload{false};  // reload_quotas() asked; `wake` rang
   Fd wake;
   std::unique_ptr<Dashboard> dashboard;
 
   void log(const std::string& line) const {
     if (options.log) options.log(line);
+  }
+
+  // The team of member `user` (its allow-list line's team=); "default" without one, and on a
+  // cluster without keys.
+  std::string team_of(const std::string& user) const {
+    auto t = options.security.teams.find(user);
+    return t == options.security.teams.end() ? "default" : t->second;
+  }
+
+  jobs::Caller caller(const std::string& user, const std::string& from) const {
+    return jobs::Caller{user, options.security.admins.count(user) > 0, from, team_of(user)};
+  }
+
+  static bool for_jobs(Message& m) {
+    return m.get<proto::UploadCheck>() || m.get<proto::UploadPart>() || m.get<proto::Submit>() ||
+           m.get<proto::JobsQuery>() || m.get<proto::LogsQuery>() || m.get<proto::JobStop>() ||
+           m.get<proto::QuotasQuery>();
   }
 
   void send(const std::string& to, const Message& m) {
@@ -180,6 +208,8 @@ struct Head::State {
       NodeCapacity c;
       c.id = id;
       c.cpus = n.cpus;
+      // Workers with a memory limit go only where cgroups enforce it.
+      c.memory = enforces_memory(n) ? std::max<std::int64_t>(n.memory, 0) : 0;
       c.labels = n.labels;
       c.labels[kNodeLabel] = id;
       for (const auto& g : n.gpus) c.gpus.push_back(g.index);
@@ -188,6 +218,7 @@ struct Head::State {
           for (const auto& b : r.bundles) {
             if (b.node != id) continue;
             c.cpus -= b.cpus;
+            if (c.memory >= 0) c.memory = std::max<std::int64_t>(0, c.memory - b.memory);
             for (int g : b.gpus)
               c.gpus.erase(std::remove(c.gpus.begin(), c.gpus.end(), g), c.gpus.end());
           }
@@ -198,7 +229,11 @@ struct Head::State {
     return out;
   }
 
-  std::string cluster_text() const {
+  // The live nodes, for "does not fit" messages; with each node's memory and whether it keeps
+  // memory limits when `demands` ask for any.
+  std::string cluster_text(const std::vector<GroupDemand>& demands = {}) const {
+    const bool memory = std::any_of(demands.begin(), demands.end(),
+                                    [](const GroupDemand& d) { return d.memory > 0; });
     std::vector<std::string> parts;
     for (const auto& id : order) {
       const Node& n = nodes.at(id);
@@ -206,7 +241,13 @@ struct Head::State {
       std::string labels;
       for (const auto& [k, v] : n.labels)
         labels += fmt::format("{}{}={}", labels.empty() ? "" : ",", k, v);
-      parts.push_back(fmt::format("{} ({} CPUs, {} GPUs{})", id, n.cpus, n.gpus.size(),
+      std::string mem;
+      if (memory) {
+        mem = fmt::format(
+            ", {}{}", format_bytes(static_cast<std::uint64_t>(std::max<std::int64_t>(n.memory, 0))),
+            enforces_memory(n) ? "" : " but no memory limits (no cgroups)");
+      }
+      parts.push_back(fmt::format("{} ({} CPUs, {} GPUs{}{})", id, n.cpus, n.gpus.size(), mem,
                                   labels.empty() ? "" : ", labels " + labels));
     }
     if (parts.empty())
@@ -240,6 +281,7 @@ struct Head::State {
     n.memory = b.memory;
     n.gpus = std::move(b.gpus);
     n.labels = std::move(b.labels);
+    n.isolation = std::move(b.isolation);
     n.alive = true;
     n.last_seen = Clock::now();
     n.registered = unix_now();
@@ -247,7 +289,7 @@ struct Head::State {
     // was cut off and declared dead) are stopped.
     std::vector<std::string> adopted;
     for (auto& j : b.jobs) {
-      Bundle bundle{id, j.gpus, j.cpus};
+      Bundle bundle{id, j.gpus, j.cpus, j.memory};
       auto r = runs.find(j.run);
       if (r == runs.end()) {
         Run& nr = runs[j.run];
@@ -297,7 +339,7 @@ struct Head::State {
       x.driver = from;
       x.since = unix_now();
       x.last_lease = Clock::now();
-      x.bundles = bundles_of(*slots);
+      x.bundles = bundles_of(*slots, demands);
       std::vector<std::string> used;
       for (const auto& bu : x.bundles) used.push_back(bu.node);
       log(fmt::format("reserved for run {} (job {}, owner {}): {}", run, x.job, x.owner,
@@ -316,8 +358,8 @@ struct Head::State {
         }
         // Without keys the user is the one the driver names (its OS user, before "@host").
         jobs->reserved(run, job_id, b.job,
-                       user.empty() ? b.owner.substr(0, b.owner.find('@')) : user, places, gpus,
-                       cpus, static_cast<int>(x.bundles.size()));
+                       user.empty() ? b.owner.substr(0, b.owner.find('@')) : user, team_of(user),
+                       places, gpus, cpus, static_cast<int>(x.bundles.size()));
       }
     }
     send(from, Message{request, std::move(r)});
@@ -334,7 +376,7 @@ struct Head::State {
     std::string why;
     if (!schedule(capacity(false), demands, &why)) {
       r.kind = "infeasible";
-      r.message = fmt::format("{}; {}", why, cluster_text());
+      r.message = fmt::format("{}; {}", why, cluster_text(demands));
       return std::nullopt;
     }
     auto slots = schedule(capacity(others_hold), demands, &why);
@@ -414,6 +456,7 @@ struct Head::State {
       e.labels = n.labels;
       e.heartbeat_age_s = seconds_since(n.last_seen);
       e.registered = n.registered;
+      e.isolation = n.isolation;
       info.nodes.push_back(std::move(e));
     }
     for (const auto& [rid, r] : runs) {
@@ -444,18 +487,49 @@ struct Head::State {
 
   // ----- the job service's view of the cluster -----------------------------------------------
 
-  std::optional<std::string> hold(std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
+  // A submitted job's groups, and first its driver: it runs on the head's machine, and when that
+  // is a node it takes one of its CPUs.
+  std::vector<GroupDemand> with_driver(const std::vector<proto::GroupDemandEntry>& g) const {
     auto demands = to_demands(g);
-    // The driver runs on the head's machine: when that is a node, it takes one of its CPUs,
-    // placed first.
-    const bool driver_here = !options.local_node.empty();
-    if (driver_here) {
+    if (!options.local_node.empty()) {
       GroupDemand d;
       d.name = "the driver (on the head's node " + options.local_node + ")";
       d.workers = 1;
       d.labels[kNodeLabel] = options.local_node;
       demands.insert(demands.begin(), std::move(d));
     }
+    return demands;
+  }
+
+  // Would job demand `g` fit were the devices of `jobs` (their holds) and `runs` free?
+  bool fits_without(const std::vector<proto::GroupDemandEntry>& g,
+                    const std::vector<std::int64_t>& jobs, const std::vector<std::string>& gone) {
+    std::map<std::string, Run> kept;
+    for (auto r = runs.begin(); r != runs.end();) {
+      const bool free = std::find(gone.begin(), gone.end(), r->first) != gone.end() ||
+                        (r->second.hold_job &&
+                         std::find(jobs.begin(), jobs.end(), r->second.hold_job) != jobs.end());
+      if (free) {
+        kept.insert(runs.extract(r++));
+      } else {
+        ++r;
+      }
+    }
+    bool fits = false;
+    try {
+      fits = schedule(capacity(true), with_driver(g)).has_value();
+    } catch (...) {
+      runs.merge(kept);
+      throw;
+    }
+    runs.merge(kept);
+    return fits;
+  }
+
+  std::optional<jobs::Refusal> hold(std::int64_t job,
+                                    const std::vector<proto::GroupDemandEntry>& g) {
+    auto demands = with_driver(g);
+    const bool driver_here = !options.local_node.empty();
     std::string why;
     const std::string driver_note =
         driver_here ? fmt::format(
@@ -464,8 +538,9 @@ struct Head::State {
                           options.local_node)
                     : "";
     if (!schedule(capacity(false), demands, &why))
-      return fmt::format("it does not fit the live nodes: {}{}; {}", why, driver_note,
-                         cluster_text());
+      return jobs::Refusal{fmt::format("it does not fit the live nodes: {}{}; {}", why, driver_note,
+                                       cluster_text(demands)),
+                           true};
     auto slots = schedule(capacity(true), demands, &why);
     if (!slots) {
       std::vector<std::string> holders;
@@ -474,11 +549,13 @@ struct Head::State {
                           : r.hold_job ? fmt::format("job {} (starting)", r.hold_job)
                                        : fmt::format("{} (run {}, owner {})", r.job, rid, r.owner));
       }
-      return fmt::format("{}{}; held by {}", why, driver_note, fmt::join(holders, ", "));
+      return jobs::Refusal{
+          fmt::format("{}{}; held by {}", why, driver_note, fmt::join(holders, ", ")), false};
     }
     if (driver_here) {
       hold_driver(job);
       slots->erase(slots->begin());
+      demands.erase(demands.begin());
     }
     Run& x = runs[hold_id(job)];
     x.id = hold_id(job);
@@ -487,7 +564,7 @@ struct Head::State {
     x.hold_job = job;
     x.since = unix_now();
     x.last_lease = Clock::now();
-    x.bundles = bundles_of(*slots);
+    x.bundles = bundles_of(*slots, demands);
     return std::nullopt;
   }
 
@@ -532,6 +609,14 @@ struct Head::State {
       view.release_run = [this](const std::string& run) { on_release(run); };
       view.run_known = [this](const std::string& run) { return runs.count(run) > 0; };
       view.hold_driver = [this](std::int64_t job) { hold_driver(job); };
+      view.fits_without = [this](const std::vector<proto::GroupDemandEntry>& g,
+                                 const std::vector<std::int64_t>& jobs,
+                                 const std::vector<std::string>& gone) {
+        return fits_without(g, jobs, gone);
+      };
+      so.quotas =
+          options.quotas_file.empty() ? jobs::no_quotas() : jobs::load_quotas(options.quotas_file);
+      so.member_teams = options.security.teams;
       jobs = std::make_unique<jobs::JobService>(std::move(so), std::move(view));
     }
   }
@@ -557,6 +642,14 @@ struct Head::State {
   void answer_asks() {
     std::uint64_t n = 0;
     (void)!::read(wake.get(), &n, sizeof n);
+    if (reload.exchange(false)) {
+      try {
+        if (!jobs) throw Error("this head keeps no jobs, so it has no quotas");
+        jobs->reload_quotas();
+      } catch (const std::exception& e) {
+        log(fmt::format("quotas not read again, they stay as they were: {}", e.what()));
+      }
+    }
     std::deque<std::shared_ptr<Ask>> now;
     {
       std::lock_guard<std::mutex> lock(asks_mu);
@@ -564,6 +657,7 @@ struct Head::State {
     }
     for (auto& a : now) {
       std::optional<Message> answer;
+      a->caller.team = team_of(a->caller.user);
       try {
         if (a->m.get<proto::NodesQuery>()) {
           answer = Message{0, nodes_info()};
@@ -581,9 +675,7 @@ struct Head::State {
             r = std::move(later);
           }
           answer = Message{0, std::move(r)};
-        } else if (jobs && (a->m.get<proto::UploadCheck>() || a->m.get<proto::UploadPart>() ||
-                            a->m.get<proto::Submit>() || a->m.get<proto::JobsQuery>() ||
-                            a->m.get<proto::LogsQuery>() || a->m.get<proto::JobStop>())) {
+        } else if (jobs && for_jobs(a->m)) {
           answer = jobs->handle(a->caller, 0, a->m);
         }
       } catch (const std::exception& e) {
@@ -621,11 +713,8 @@ struct Head::State {
   }
 
   void handle(const std::string& from, const std::string& user, Message& m) {
-    if (jobs &&
-        (m.get<proto::UploadCheck>() || m.get<proto::UploadPart>() || m.get<proto::Submit>() ||
-         m.get<proto::JobsQuery>() || m.get<proto::LogsQuery>() || m.get<proto::JobStop>())) {
-      const jobs::Caller caller{user, options.security.admins.count(user) > 0, from};
-      send(from, jobs->handle(caller, m.id, m));
+    if (jobs && for_jobs(m)) {
+      send(from, jobs->handle(caller(user, from), m.id, m));
       return;
     }
     std::visit(
@@ -783,6 +872,12 @@ Head::~Head() {
 }
 
 const std::string& Head::endpoint() const { return s_->endpoint; }
+
+void Head::reload_quotas() {
+  s_->reload = true;
+  const std::uint64_t one = 1;
+  (void)!::write(s_->wake.get(), &one, sizeof one);
+}
 
 std::string Head::dashboard_url() const {
   return s_->dashboard ? s_->dashboard->url() : std::string();

@@ -29,6 +29,9 @@ struct HeadOptions {
   std::uint64_t job_log_cap = 64ull << 20;
   std::uint64_t max_upload = 5ull << 28;  // bytes of one archive (a client's 1 GiB and headers)
   std::filesystem::path exe;              // the twinkle binary submitted jobs' drivers run
+  // The teams' quotas (docs/ARCHITECTURE.md, Teams and quotas): read at start (a ConfigError
+  // with file:line:col when malformed) and again on reload_quotas(); "" for none.
+  std::filesystem::path quotas_file;
   // The node id of this machine's own agent ("" with --no-agent): submitted jobs' drivers run
   // here, and each takes one of its CPUs.
   std::string local_node;
@@ -56,6 +59,9 @@ class Head {
   std::string dashboard_url() const;
   // Serves until `stop` becomes true (checked at least every 250 ms).
   void run(const std::atomic<bool>& stop);
+  // From any thread (SIGHUP): the head's thread reads the quotas file again; a malformed one is
+  // logged and the quotas stay as they were.
+  void reload_quotas();
 
  private:
   struct State;

@@ -199,7 +199,8 @@ class ClusterLauncher : public Launcher {
       l.gpus = gpus_[node];
       for (std::size_t i = 0; i < workers.size(); ++i) {
         if (peer_node_[i] != node) continue;
-        l.workers.push_back(proto::LaunchWorker{workers[i].name, workers[i].env});
+        l.workers.push_back(proto::LaunchWorker{workers[i].name, workers[i].env,
+                                                static_cast<std::int64_t>(workers[i].memory)});
         ++l.cpus;
       }
       if (launch_.worker.secure()) {

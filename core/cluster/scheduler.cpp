@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "core/job/size.hpp"
+
 namespace twinkle::core::cluster {
 
 namespace {
@@ -20,6 +22,8 @@ bool eligible(const NodeCapacity& n, const GroupDemand& d) {
 int room(const NodeCapacity& n, const GroupDemand& d) {
   int r = n.cpus;
   if (d.gpus_per_worker > 0) r = std::min(r, static_cast<int>(n.gpus.size()) / d.gpus_per_worker);
+  if (d.memory > 0 && n.memory >= 0)
+    r = static_cast<int>(std::min<std::int64_t>(r, n.memory / d.memory));
   return std::max(r, 0);
 }
 
@@ -27,15 +31,23 @@ Slot take(NodeCapacity& n, const GroupDemand& d) {
   Slot s;
   s.node = n.id;
   n.cpus -= 1;
+  if (d.memory > 0 && n.memory >= 0) n.memory -= d.memory;
   s.gpus.assign(n.gpus.begin(), n.gpus.begin() + d.gpus_per_worker);
   n.gpus.erase(n.gpus.begin(), n.gpus.begin() + d.gpus_per_worker);
   return s;
 }
 
 std::string need_text(const GroupDemand& d, int workers) {
-  return d.gpus_per_worker > 0
-             ? fmt::format("{} worker(s) of {} GPU(s) and 1 CPU each", workers, d.gpus_per_worker)
-             : fmt::format("{} worker(s) of 1 CPU each", workers);
+  const std::string memory =
+      d.memory > 0 ? format_size(static_cast<std::uint64_t>(d.memory)) : std::string();
+  if (d.gpus_per_worker > 0) {
+    return memory.empty()
+               ? fmt::format("{} worker(s) of {} GPU(s) and 1 CPU each", workers, d.gpus_per_worker)
+               : fmt::format("{} worker(s) of {} GPU(s), 1 CPU and {} each", workers,
+                             d.gpus_per_worker, memory);
+  }
+  return memory.empty() ? fmt::format("{} worker(s) of 1 CPU each", workers)
+                        : fmt::format("{} worker(s) of 1 CPU and {} each", workers, memory);
 }
 
 std::optional<std::vector<Slot>> place_group(std::vector<NodeCapacity>& nodes, const GroupDemand& d,

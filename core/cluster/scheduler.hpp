@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@ struct NodeCapacity {
   int cpus = 0;           // free CPUs
   std::vector<int> gpus;  // free GPU indices, ascending
   std::map<std::string, std::string> labels;
+  std::int64_t memory = -1;  // free bytes for workers with a memory limit; -1: not counted
 };
 
 // What one group asks for: `workers` workers, each one CPU plus `gpus_per_worker` GPUs (cuda
@@ -27,6 +29,7 @@ struct GroupDemand {
   int gpus_per_worker = 0;  // 0 for cpu groups
   PlacementStrategy strategy = PlacementStrategy::pack;
   std::map<std::string, std::string> labels;
+  std::int64_t memory = 0;  // each worker's memory limit in bytes (0: none, not counted)
 };
 
 // Where one worker goes.

@@ -81,6 +81,13 @@ HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host) {
     }
     out.allowed.insert(m.key);
     if (m.admin) out.admins.insert(m.name);
+    if (auto t = out.teams.find(m.name); t != out.teams.end() && t->second != m.team) {
+      throw ConfigError(fmt::format(
+          "{}: the member \"{}\" is in team {} on one line and in team {} on another; give "
+          "each of its keys the same team=",
+          allow, m.name, t->second, m.team));
+    }
+    out.teams[m.name] = m.team;
     if (m.key != out.socket.keys->public_key) out.names[m.key] = std::move(m.name);
   }
   return out;

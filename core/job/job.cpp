@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include "core/job/size.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
@@ -392,7 +393,7 @@ class JobReader {
     check_keys(t, "job",
                {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
                 "nproc_per_node", "queue_timeout_s", "placement", "launcher", "checkpoint_dir",
-                "checkpoint_keep", "resume", "stop_grace_s"});
+                "checkpoint_keep", "resume", "stop_grace_s", "preemptible"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -464,6 +465,14 @@ class JobReader {
       }
     }
     if (auto n = t.get("placement")) job.placement = read_strategy(*n, "job.placement");
+    if (auto n = t.get("preemptible")) {
+      if (!n->is_boolean()) {
+        fail(*n, "job.preemptible",
+             "job.preemptible must be true (the job may borrow idle capacity and be preempted) or "
+             "false (it never borrows)");
+      }
+      job.preemptible = n->value<bool>().value_or(true);
+    }
     read_checkpoints(t, job);
     if (auto n = t.get("launcher")) {
       job.launcher = get_string(*n, "job.launcher");
@@ -539,7 +548,7 @@ class JobReader {
     auto declared_name = t["name"].value<std::string>();
     check_keys(t, "[[group]]",
                {"name", "ranks", "device", "gpus_per_worker", "mesh", "placement", "labels",
-                "max_restarts", "restart", "restart_window_s", "recover"},
+                "memory", "max_restarts", "restart", "restart_window_s", "recover"},
                declared_name ? "group." + *declared_name : path);
     const toml::node* name = t.get("name");
     if (!name)
@@ -626,6 +635,16 @@ class JobReader {
                          "or remove it",
                          label));
       }
+    }
+    if (auto n = t.get("memory")) {
+      const auto bytes = parse_size(get_string(*n, gp + ".memory"));
+      if (!bytes) {
+        fail(*n, gp + ".memory",
+             fmt::format("{}: memory is each worker's limit as a size such as \"4GiB\" or "
+                         "\"512MiB\"",
+                         label));
+      }
+      g.memory = *bytes;
     }
     if (auto n = t.get("placement")) g.placement = read_strategy(*n, gp + ".placement");
     if (auto n = t.get("labels")) {

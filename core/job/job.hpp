@@ -43,6 +43,9 @@ struct GroupSpec {
   std::vector<int> ranks;  // global ranks, in the order of the group's workers
   DeviceType device = DeviceType::cpu;
   int gpus_per_worker = 1;
+  // Remote mode: each worker's memory limit in bytes (0: none), enforced by the node's cgroups
+  // and checked against the nodes' memory by the scheduler.
+  std::uint64_t memory = 0;
   DeviceMesh mesh = DeviceMesh::data_parallel(1);
   std::optional<PlacementStrategy> placement;  // remote mode; unset: the job's
   std::map<std::string, std::string> labels;   // remote mode: nodes must carry all of them
@@ -91,6 +94,9 @@ struct Job {
   int checkpoint_keep = 3;
   bool resume_auto = false;
   double stop_grace_s = 30;
+  // A submitted job on a cluster with quotas (docs/ARCHITECTURE.md, Teams and quotas): false,
+  // it never runs beyond its team's quota, so it is never preempted.
+  bool preemptible = true;
   std::vector<GroupSpec> groups;
   Value args = Value::map();  // [args], free-form
   std::optional<NotifySpec> notify;

@@ -12,4 +12,9 @@ inline std::int64_t unix_now() {
       .count();
 }
 
+// The same with the fraction of a second.
+inline double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace twinkle::core

@@ -9,7 +9,8 @@ std::vector<transport::proto::GroupDemandEntry> group_demands(const Job& job) {
   for (const auto& g : job.groups) {
     out.push_back(transport::proto::GroupDemandEntry{
         g.name, g.workers(), g.device == DeviceType::cuda ? g.gpus_per_worker : 0,
-        std::string(to_string(g.placement.value_or(job.placement))), g.labels});
+        std::string(to_string(g.placement.value_or(job.placement))), g.labels,
+        static_cast<std::int64_t>(g.memory)});
   }
   return out;
 }

@@ -45,7 +45,28 @@ constexpr auto kAdoptionGrace = std::chrono::seconds(10);
 constexpr auto kUploadGrace = std::chrono::hours(1);
 constexpr auto kSweepEvery = std::chrono::minutes(10);
 
-bool ended(const std::string& state) { return state != "QUEUED" && state != "RUNNING"; }
+bool ended(const std::string& state) {
+  return state != "QUEUED" && state != "RUNNING" && state != "PREEMPTED";
+}
+// How far back a restarted head reads the history for the teams' shares: use older than ten
+// half-lives counts for less than a thousandth.
+constexpr double kShareMemory = 10;
+
+std::vector<proto::GroupDemandEntry> demand_of(const JobRecord& j) {
+  std::vector<proto::GroupDemandEntry> demand;
+  for (const auto& g : nlohmann::json::parse(j.demand)) {
+    demand.push_back(proto::GroupDemandEntry{
+        g["name"], g["workers"], g["gpus_per_worker"], g["strategy"],
+        g["labels"].get<std::map<std::string, std::string>>(), g.value("memory", std::int64_t{0})});
+  }
+  return demand;
+}
+
+std::string job_list(const std::vector<std::int64_t>& ids) {
+  std::vector<std::string> parts;
+  for (auto id : ids) parts.push_back(std::to_string(id));
+  return fmt::format("job{} {}", ids.size() == 1 ? "" : "s", fmt::join(parts, ", "));
+}
 
 // Lines of `text` that pass the filter. `rank` is "GROUP:N"; `driver` keeps the lines that are
 // not a worker's ("[GROUP:N] ...").
@@ -99,6 +120,11 @@ proto::JobEntry to_entry(const JobRecord& j) {
   if (!j.overrides.empty())
     e.overrides = nlohmann::json::parse(j.overrides).get<std::vector<std::string>>();
   if (j.after_job) e.after = proto::AfterEntry{j.after_job, j.after_condition};
+  e.team = j.team;
+  e.priority = j.priority;
+  e.preemptible = j.preemptible;
+  e.preemptions = j.preemptions;
+  e.preempted_by = j.preempted_by;
   return e;
 }
 
@@ -113,6 +139,7 @@ struct JobService::State {
   Clock::time_point swept = Clock::now();
   // Uploads in progress: upload_key (the sha256 and the sender) -> bytes so far.
   std::map<std::string, std::int64_t> uploading;
+  ShareMeter shares;
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -210,9 +237,39 @@ struct JobService::State {
     return st;
   }
 
+  // Why a job that needs `need` can never start in team `q` (beyond what the team may hold even
+  // with nothing else running), or nullopt.
+  std::optional<std::string> never_fits(const TeamQuota& q, Resources need,
+                                        bool preemptible) const {
+    auto check = [&](const char* what, const std::optional<int>& limit, int borrow,
+                     int n) -> std::optional<std::string> {
+      if (!limit) return std::nullopt;
+      const int most = *limit + (preemptible ? borrow : 0);
+      if (n <= most) return std::nullopt;
+      return fmt::format(
+          "the job needs {} {}s, and team {} may hold at most {} (a quota of {}{}{}): ask for "
+          "fewer, or have an admin raise the team's {}s or borrow_{}s in {}",
+          n, what, q.name, most, *limit,
+          preemptible ? fmt::format(" and {} to borrow", borrow) : std::string(),
+          !preemptible && borrow > 0 ? "; it asks preemptible = false, so it does not borrow" : "",
+          what == std::string("GPU") ? "gpu" : "cpu", what == std::string("GPU") ? "gpu" : "cpu",
+          o.quotas.file.string());
+    };
+    if (auto why = check("GPU", q.gpus, q.borrow_gpus, need.gpus)) return why;
+    return check("CPU", q.cpus, q.borrow_cpus, need.cpus);
+  }
+
   proto::JobAnswer on_submit(const Caller& who, proto::Submit& s) {
     proto::JobAnswer a;
     const std::string user = who.user.empty() ? s.user : who.user;
+    const TeamQuota quota = o.quotas.of(who.team);
+    if (s.priority < -quota.max_priority || s.priority > quota.max_priority) {
+      a.error = fmt::format("--priority {}: team {} may give -{} to {} (max_priority{})",
+                            s.priority, quota.name, quota.max_priority, quota.max_priority,
+                            o.quotas.file.empty() ? "; no quotas file sets another"
+                                                  : " in " + o.quotas.file.string());
+      return a;
+    }
     std::error_code ec;
     if (!hex_sha(s.sha256) || !fs::exists(upload(s.sha256), ec)) {
       a.error = "the head does not hold this working directory: upload it first";
@@ -258,13 +315,17 @@ struct JobService::State {
                           {"workers", g.workers},
                           {"gpus_per_worker", g.gpus_per_worker},
                           {"strategy", g.strategy},
-                          {"labels", g.labels}});
+                          {"labels", g.labels},
+                          {"memory", g.memory}});
         j.gpus += g.workers * g.gpus_per_worker;
         j.cpus += g.workers;
       }
       j.demand = demand.dump();
       j.resume_on_retry = !job.checkpoint_dir.empty();
       j.stop_grace_s = job.stop_grace_s;
+      j.preemptible = job.preemptible;
+      if (auto why = never_fits(quota, Resources{j.gpus, j.cpus}, j.preemptible))
+        throw ConfigError(*why);
     } catch (const std::exception& e) {
       fs::remove_all(incoming, ec);
       std::string what = e.what();
@@ -276,6 +337,8 @@ struct JobService::State {
       return a;
     }
     j.user = user;
+    j.team = who.team;
+    j.priority = s.priority;
     j.kind = "submitted";
     j.state = "QUEUED";
     j.reason = "waiting for its turn";
@@ -301,7 +364,8 @@ struct JobService::State {
     store->audit(
         AuditRecord{j.id, unix_now(), user, "submit", s.from,
                     fmt::format("{} ({}, sha256 {})", j.name, j.job_file, s.sha256.substr(0, 12))});
-    log(fmt::format("job {} ({}) submitted by {} from {}", j.id, j.name, user, s.from));
+    log(fmt::format("job {} ({}) submitted by {} (team {}) from {}", j.id, j.name, user, j.team,
+                    s.from));
     a.job = j.id;
     a.text = fmt::format("submitted job {} ({})", j.id, j.name);
     return a;
@@ -454,6 +518,11 @@ struct JobService::State {
       a.text = fmt::format("job {} stopped (it had not started)", s.job);
       return a;
     }
+    if (j->state == "PREEMPTED") {
+      finish(*j, "STOPPED", fmt::format("stopped by {} while it waited to resume", user));
+      a.text = fmt::format("job {} stopped (it was preempted and waited to resume)", s.job);
+      return a;
+    }
     if (j->kind == "interactive") {
       const std::string run = j->run;
       finish(*j, "STOPPED",
@@ -490,8 +559,9 @@ struct JobService::State {
     j.state = state;
     j.reason = reason;
     j.ended = unix_now();
+    // Every start's span: a job that was preempted ran more than once.
     if (j.started)
-      j.gpu_seconds = static_cast<double>(j.gpus) * static_cast<double>(j.ended - j.started);
+      j.gpu_seconds += static_cast<double>(j.gpus) * static_cast<double>(j.ended - j.started);
     store->update(j);
     cluster.unhold(j.id);
     log(fmt::format("job {} ({}) {}: {}", j.id, j.name, state, reason));
@@ -538,8 +608,8 @@ struct JobService::State {
       }
     }
     if (!exit) {
-      if (auto at = read_attempt(dir); at && at->attempt != j.retries) {
-        j.retries = at->attempt;
+      if (auto at = read_attempt(dir); at && j.retry_base + at->attempt != j.retries) {
+        j.retries = j.retry_base + at->attempt;
         store->update(j);
         store->audit(
             AuditRecord{j.id, unix_now(), "head", "retry", "",
@@ -547,9 +617,11 @@ struct JobService::State {
       }
       return;
     }
-    j.retries = exit->retries;
+    j.retries = j.retry_base + exit->retries;
     j.exit_code = exit->code;
-    if (exit->code == 0) {
+    if (exit->code != 0 && j.preempted_by && j.stop_requested && j.stopped_by.empty()) {
+      requeue(j, exit->code);
+    } else if (exit->code == 0) {
       finish(j, "SUCCEEDED", "its driver exited with code 0");
     } else if (j.stop_requested || exit->code == 75) {
       finish(j, "STOPPED",
@@ -565,15 +637,69 @@ struct JobService::State {
     }
   }
 
+  // A preempted job's driver ended (after its checkpoint, exit 75): back in the queue, to resume
+  // when capacity returns.
+  void requeue(JobRecord& j, int code) {
+    const auto now = unix_now();
+    // The span so far counts now; `started` is the next start's (a waiting job runs no clock).
+    if (j.started)
+      j.gpu_seconds += static_cast<double>(j.gpus) * static_cast<double>(now - j.started);
+    j.started = 0;
+    ++j.preemptions;
+    j.state = "PREEMPTED";
+    j.retry_base = j.retries;
+    j.stop_requested = 0;
+    j.reason = preempted_note(j) + fmt::format(" (its driver exited {}{})", code,
+                                               code == 75 ? " after its checkpoint" : "");
+    store->update(j);
+    cluster.unhold(j.id);
+    // Its workers go now, not when the lease of a driver that was killed runs out: what they
+    // hold is what the lender waits for.
+    if (!j.run.empty() && cluster.run_known(j.run)) cluster.release_run(j.run);
+    store->audit(AuditRecord{j.id, now, "head", "preempted", "",
+                             fmt::format("for job {}; driver exit code {}", j.preempted_by, code)});
+    log(fmt::format("job {} ({}) PREEMPTED for job {}: driver exit code {}", j.id, j.name,
+                    j.preempted_by, code));
+  }
+
+  // What a PREEMPTED job says before why it waits now.
+  static std::string preempted_note(const JobRecord& j) {
+    return fmt::format(
+        "preempted by job {}, whose team took back the capacity this job "
+        "borrowed; it resumes {} when capacity returns",
+        j.preempted_by,
+        j.resume_on_retry ? "from its newest checkpoint"
+                          : "from the start (it has no checkpoint_dir)");
+  }
+
+  // Asks `v`'s driver to stop (a checkpoint first, exit 75) so that job `l` gets its team's quota
+  // back.
+  void preempt(JobRecord& v, const JobRecord& l) {
+    v.stop_requested = unix_now();
+    v.preempted_by = l.id;
+    v.reason =
+        fmt::format("being preempted for job {} of team {}: asked to stop{}", l.id, l.team,
+                    v.resume_on_retry ? " after a checkpoint" : " (it has no checkpoint_dir)");
+    store->update(v);
+    store->audit(
+        AuditRecord{v.id, unix_now(), "head", "preempt", "",
+                    fmt::format("for job {} of team {}, within its quota; team {} had borrowed",
+                                l.id, l.team, v.team)});
+    if (supervisor_alive(v)) ::kill(v.supervisor_pid, SIGTERM);
+    log(fmt::format("job {} ({}, team {}) preempted for job {} (team {}): asked to stop", v.id,
+                    v.name, v.team, l.id, l.team));
+  }
+
   // Starts the supervisor of `j`, detached: its own session, not this process's child.
   void start(JobRecord& j) {
     const fs::path dir = job_dir(j.id);
-    std::vector<std::string> argv = {o.exe.string(),  "supervise",
-                                     "--job-dir",     dir.string(),
-                                     "--work-dir",    (dir / "work").string(),
-                                     "--max-retries", std::to_string(j.max_retries),
-                                     "--log-cap",     std::to_string(o.log_cap),
-                                     "--stop-grace",  fmt::format("{}", j.stop_grace_s)};
+    std::vector<std::string> argv = {
+        o.exe.string(),  "supervise",
+        "--job-dir",     dir.string(),
+        "--work-dir",    (dir / "work").string(),
+        "--max-retries", std::to_string(std::max(0, j.max_retries - j.retry_base)),
+        "--log-cap",     std::to_string(o.log_cap),
+        "--stop-grace",  fmt::format("{}", j.stop_grace_s)};
     if (j.resume_on_retry) argv.push_back("--resume-on-retry");
     // The job file by its full path: the driver's command line names the job's folder.
     argv.insert(argv.end(), {"--", o.exe.string(), "run", (dir / "work" / j.job_file).string(),
@@ -582,6 +708,9 @@ struct JobService::State {
       argv.push_back("--set");
       argv.push_back(x.get<std::string>());
     }
+    // A preempted job resumes where its checkpoint left it.
+    if (j.preemptions > 0 && j.resume_on_retry)
+      argv.insert(argv.end(), {"--set", "job.resume=auto"});
     if (!o.key_file.empty()) {
       argv.insert(argv.end(), {"--key", o.key_file, "--head-key", o.head_public});
     }
@@ -631,72 +760,275 @@ struct JobService::State {
     j.supervisor_pid = pid;
     j.supervisor_start = process_start(pid);
     j.state = "RUNNING";
+    j.stop_requested = 0;
+    j.exit_code.reset();  // a preempted attempt's
     j.reason = "";
     j.started = unix_now();
     store->update(j);
     log(fmt::format("job {} ({}) of {} started: supervisor pid {}", j.id, j.name, j.user, pid));
   }
 
+  // The jobs that hold devices now, as the teams' policy sees them.
+  std::vector<Holding> holding(std::map<std::int64_t, JobRecord>* running = nullptr) const {
+    std::vector<Holding> out;
+    for (auto& j : store->in_state("RUNNING")) {
+      out.push_back(Holding{j.id, j.team, Resources{j.gpus, j.cpus}, j.started,
+                            j.kind == "submitted" && j.preemptible, j.stop_requested != 0});
+      if (running) (*running)[j.id] = std::move(j);
+    }
+    return out;
+  }
+
+  // Why a queued job waits for the job `dep` it runs after, or "" when it may start; a job whose
+  // condition can no longer hold is dropped (false).
+  bool check_after(JobRecord& j, std::string& reason) {
+    if (!j.after_job) return true;
+    const auto dep = store->get(j.after_job);
+    if (!dep) {
+      finish(j, "DROPPED",
+             fmt::format("job {}, which it runs after, is gone from the history", j.after_job));
+      return false;
+    }
+    const std::string& st = dep->state;
+    if (!ended(st)) {
+      reason = fmt::format("waiting for job {} to end (--after {}:{})", j.after_job, j.after_job,
+                           j.after_condition);
+      return true;
+    }
+    const bool ok = st == "SUCCEEDED";
+    const bool satisfied = j.after_condition == "any" || (j.after_condition == "ok" ? ok : !ok);
+    if (!satisfied) {
+      finish(j, "DROPPED",
+             fmt::format("job {} ended {}, and this job runs only after it {} (--after {}:{})",
+                         j.after_job, st,
+                         j.after_condition == "ok" ? "succeeds" : "fails or is stopped",
+                         j.after_job, j.after_condition));
+      return false;
+    }
+    return true;
+  }
+
+  // Tries the queue in its order (docs/ARCHITECTURE.md, Teams and quotas): a job within its
+  // team's quota, then fair share, then priority, then submit time. Two rounds over that order:
+  // first the jobs its team's quota covers now (as jobs start in this pass, a team's next job
+  // may no longer be covered), then those that would borrow. A job that waits for devices holds
+  // back those after it (no job is passed by a later one that would take its devices); a job
+  // that waits for its own team's jobs, or fits the live nodes not even when they are idle,
+  // does not.
   void schedule_queue() {
-    bool blocked =
-        false;  // an earlier job waits for devices: the queue is first come, first served
-    std::int64_t first_waiting = 0;
-    for (auto& j : store->in_state("QUEUED")) {
-      std::string reason;
-      if (j.after_job) {
-        const auto dep = store->get(j.after_job);
-        if (!dep) {
-          finish(j, "DROPPED",
-                 fmt::format("job {}, which it runs after, is gone from the history", j.after_job));
+    std::map<std::int64_t, JobRecord> running;
+    std::vector<Holding> held = holding(&running);
+    auto use = use_by_team(held);
+    std::map<std::int64_t, JobRecord> queued;
+    std::vector<Waiting> queue;
+    for (const char* state : {"QUEUED", "PREEMPTED"}) {
+      for (auto& j : store->in_state(state)) {
+        std::string reason;
+        // A preempted job ran already: what it ran after no longer matters.
+        if (j.state == "QUEUED" && !check_after(j, reason)) continue;
+        if (!reason.empty()) {
+          if (reason != j.reason) {
+            j.reason = reason;
+            store->update(j);
+          }
           continue;
         }
-        const std::string& st = dep->state;
-        if (!ended(st)) {
-          reason = fmt::format("waiting for job {} to end (--after {}:{})", j.after_job,
-                               j.after_job, j.after_condition);
+        queue.push_back(Waiting{j.id, j.team, Resources{j.gpus, j.cpus}, j.priority, j.submitted,
+                                j.preemptible});
+        queued[j.id] = std::move(j);
+      }
+    }
+    if (queue.empty()) return;
+    const bool teams =
+        !o.quotas.file.empty() || std::any_of(o.member_teams.begin(), o.member_teams.end(),
+                                              [](const auto& m) { return m.second != "default"; });
+    std::int64_t first_waiting = 0;
+    std::set<std::int64_t> done;
+    const auto order = queue_order(std::move(queue), o.quotas, shares, use);
+    for (const bool borrowing : {false, true}) {
+      for (const Waiting& w : order) {
+        if (done.count(w.id)) continue;
+        JobRecord& j = queued.at(w.id);
+        const TeamQuota quota = o.quotas.of(j.team);
+        std::vector<std::int64_t> team_jobs;
+        for (const auto& h : held)
+          if (h.team == j.team) team_jobs.push_back(h.id);
+        const Verdict verdict = admit(w, quota, use[j.team], team_jobs);
+        if (!borrowing && verdict.admission == Admission::borrow) continue;  // the next round's
+        done.insert(w.id);
+        std::string reason;
+        if (verdict.admission == Admission::wait) {
+          reason = verdict.reason;
+        } else if (first_waiting) {
+          reason = fmt::format("waiting behind job {}, which goes first ({})", first_waiting,
+                               teams ? "within its team's quota, then fair share, priority and "
+                                       "submit time"
+                                     : "first come, first served, priority aside");
         } else {
-          const bool ok = st == "SUCCEEDED";
-          const bool satisfied =
-              j.after_condition == "any" || (j.after_condition == "ok" ? ok : !ok);
-          if (!satisfied) {
-            finish(j, "DROPPED",
-                   fmt::format("job {} ended {}, and this job runs only after it {} (--after "
-                               "{}:{})",
-                               j.after_job, st,
-                               j.after_condition == "ok" ? "succeeds" : "fails or is stopped",
-                               j.after_job, j.after_condition));
+          const auto demand = demand_of(j);
+          if (auto refusal = cluster.hold(j.id, demand)) {
+            if (!refusal->never) first_waiting = j.id;
+            reason = verdict.admission == Admission::borrow
+                         ? fmt::format("waiting: {} ({})", verdict.reason, refusal->why)
+                         : "waiting for devices: " + refusal->why;
+            if (verdict.admission == Admission::quota && !refusal->never)
+              reason = reclaim(j, w, demand, held, running).value_or(reason);
+          } else {
+            try {
+              start(j);
+              if (verdict.admission == Admission::borrow) {
+                j.reason = fmt::format(
+                    "borrowing beyond team {}'s quota: it is preempted when the lending teams "
+                    "need their capacity back",
+                    j.team);
+                store->update(j);
+              }
+              held.push_back(Holding{j.id, j.team, w.need, j.started, j.preemptible, false});
+              use[j.team] += w.need;
+              running[j.id] = j;
+            } catch (const std::exception& e) {
+              finish(j, "FAILED", e.what());
+            }
             continue;
           }
         }
-      }
-      if (reason.empty() && blocked) {
-        reason = fmt::format("waiting behind job {} (first come, first served)", first_waiting);
-      }
-      if (reason.empty()) {
-        std::vector<proto::GroupDemandEntry> demand;
-        for (const auto& g : nlohmann::json::parse(j.demand)) {
-          demand.push_back(
-              proto::GroupDemandEntry{g["name"], g["workers"], g["gpus_per_worker"], g["strategy"],
-                                      g["labels"].get<std::map<std::string, std::string>>()});
+        if (j.state == "PREEMPTED") reason = preempted_note(j) + "; now " + reason;
+        if (reason != j.reason) {
+          j.reason = reason;
+          store->update(j);
         }
-        if (auto why = cluster.hold(j.id, demand)) {
-          reason = "waiting for devices: " + *why;
-          blocked = true;
-          first_waiting = j.id;
-        } else {
-          try {
-            start(j);
-          } catch (const std::exception& e) {
-            finish(j, "FAILED", e.what());
-          }
-          continue;
-        }
-      }
-      if (reason != j.reason) {
-        j.reason = reason;
-        store->update(j);
       }
     }
+  }
+
+  // `j`, within its team's quota, does not fit: preempts the newest jobs of other teams that run
+  // on borrowed capacity, as few as make room. Returns why `j` waits now, or nullopt when
+  // preempting would not make room either.
+  std::optional<std::string> reclaim(const JobRecord& j, const Waiting& w,
+                                     const std::vector<proto::GroupDemandEntry>& demand,
+                                     const std::vector<Holding>& held,
+                                     std::map<std::int64_t, JobRecord>& running) {
+    auto fits = [&](const std::vector<std::int64_t>& gone) {
+      std::vector<std::string> runs;
+      for (auto id : gone)
+        if (auto r = running.find(id); r != running.end() && !r->second.run.empty())
+          runs.push_back(r->second.run);
+      return cluster.fits_without && cluster.fits_without(demand, gone, runs);
+    };
+    const auto victims = preemption_victims(w, held, o.quotas, fits);
+    if (!victims) return std::nullopt;
+    if (victims->empty()) {
+      std::vector<std::int64_t> stopping;
+      for (const auto& h : held)
+        if (h.stopping) stopping.push_back(h.id);
+      return fmt::format("waiting for {} to stop and free their devices", job_list(stopping));
+    }
+    for (auto id : *victims)
+      if (auto r = running.find(id); r != running.end()) preempt(r->second, j);
+    return fmt::format(
+        "waiting for {} to stop: preempted (newest first) because they run on "
+        "capacity they borrowed, and team {} needs it back for this job",
+        job_list(*victims), j.team);
+  }
+
+  proto::QuotasInfo on_quotas(const Caller& who, const proto::QuotasQuery& q) {
+    proto::QuotasInfo info;
+    if (q.reload) {
+      if (!who.user.empty() && !who.admin) {
+        info.error = fmt::format(
+            "you ({}) may not reload the quotas: only an admin (marked "
+            "`admin` in the head's allow-list) may",
+            who.user);
+        return info;
+      }
+      try {
+        info.text = reload();
+        store->audit(AuditRecord{0, unix_now(), who.user.empty() ? q.user : who.user,
+                                 "quotas reload", q.from, info.text});
+      } catch (const std::exception& e) {
+        info.error = e.what();
+        return info;
+      }
+    }
+    info.file = o.quotas.file.string();
+    info.half_life_s = o.quotas.half_life_s;
+    std::map<std::int64_t, JobRecord> running;
+    const auto held = holding(&running);
+    const auto use = use_by_team(held);
+    std::set<std::string> names;
+    for (const auto& [name, t] : o.quotas.teams) names.insert(name);
+    for (const auto& [member, team] : o.member_teams) names.insert(team);
+    for (const auto& [team, r] : use) names.insert(team);
+    std::map<std::string, int> waiting_jobs;
+    for (const char* state : {"QUEUED", "PREEMPTED"})
+      for (const auto& j : store->in_state(state)) {
+        ++waiting_jobs[j.team];
+        names.insert(j.team);
+      }
+    for (const auto& name : names) {
+      const TeamQuota t = o.quotas.of(name);
+      proto::TeamEntry e;
+      e.name = name;
+      e.listed = t.listed;
+      e.gpus = t.gpus;
+      e.cpus = t.cpus;
+      e.borrow_gpus = t.borrow_gpus;
+      e.borrow_cpus = t.borrow_cpus;
+      e.weight = t.weight;
+      e.max_priority = t.max_priority;
+      if (auto u = use.find(name); u != use.end()) {
+        e.used_gpus = u->second.gpus;
+        e.used_cpus = u->second.cpus;
+      }
+      if (t.gpus) e.borrowed_gpus = std::max(0, e.used_gpus - *t.gpus);
+      if (t.cpus) e.borrowed_cpus = std::max(0, e.used_cpus - *t.cpus);
+      const auto share = shares.of(name);
+      e.gpu_seconds = share.gpu_seconds;
+      e.cpu_seconds = share.cpu_seconds;
+      for (const auto& h : held) e.running += h.team == name;
+      e.waiting = waiting_jobs[name];
+      for (const auto& [member, team] : o.member_teams)
+        if (team == name) e.members.push_back(member);
+      info.teams.push_back(std::move(e));
+    }
+    return info;
+  }
+
+  // Members whose team the quotas file does not list: said once per start or reload.
+  void warn_unlisted() const {
+    if (o.quotas.file.empty()) return;
+    for (const auto& [member, team] : o.member_teams) {
+      if (!o.quotas.teams.count(team))
+        log(
+            fmt::format("quotas: team \"{}\" (of {}) is not in {}; it gets the default team's "
+                        "numbers",
+                        team, member, o.quotas.file.string()));
+    }
+  }
+
+  std::string reload() {
+    if (o.quotas.file.empty())
+      throw ConfigError(
+          "this head has no quotas file to read again: start it with `twinkle node start --head "
+          "--quotas FILE`");
+    Quotas q = load_quotas(o.quotas.file);
+    o.quotas = std::move(q);
+    shares.set_half_life(o.quotas.half_life_s);
+    warn_unlisted();
+    std::vector<std::string> names;
+    for (const auto& [name, t] : o.quotas.teams) names.push_back(name);
+    const std::string text =
+        fmt::format("read {} again: {} team{} ({})", o.quotas.file.string(), names.size(),
+                    names.size() == 1 ? "" : "s", fmt::join(names, ", "));
+    log(text);
+    return text;
+  }
+
+  // The teams' shares: what they held since the last tick added, older use decayed.
+  void meter() {
+    std::map<std::string, Resources> running;
+    for (const auto& h : holding()) running[h.team] += h.held;
+    shares.advance(unix_seconds(), running);
   }
 };
 
@@ -720,10 +1052,24 @@ JobService::JobService(ServiceOptions options, ClusterView cluster)
     if (e.path().extension() == ".part") fs::remove(e.path(), ec);
   }
   s_->sweep_uploads();
+  s_->warn_unlisted();
+  // The teams' shares of the past, from the history.
+  s_->shares.set_half_life(s_->o.quotas.half_life_s);
+  const double now = unix_seconds();
+  for (const auto& j : s_->store->started_since(
+           static_cast<std::int64_t>(now - kShareMemory * s_->o.quotas.half_life_s))) {
+    const double end = j.ended ? static_cast<double>(j.ended) : now;
+    s_->shares.add_span(j.team, Resources{j.gpus, j.cpus}, static_cast<double>(j.started), end,
+                        now);
+  }
   int running = 0;
   for (auto& j : s_->store->in_state("RUNNING")) {
     ++running;
     if (j.kind == "interactive") s_->interactive[j.run] = j.id;
+    // A stop asked for (a preemption among them) whose signal a killed head may not have sent:
+    // again (a supervisor that has it already ignores it).
+    if (j.kind == "submitted" && j.stop_requested && State::supervisor_alive(j))
+      ::kill(j.supervisor_pid, SIGTERM);
   }
   s_->log(fmt::format("job history {} ({} jobs, {} running)",
                       (s_->o.state_dir / "jobs.db").string(), s_->store->count(), running));
@@ -751,6 +1097,8 @@ Message JobService::handle(const Caller& caller, std::uint64_t request, Message&
             return Message{request, s.on_logs(b)};
           } else if constexpr (std::is_same_v<T, proto::JobStop>) {
             return Message{request, s.on_stop(caller, b)};
+          } else if constexpr (std::is_same_v<T, proto::QuotasQuery>) {
+            return Message{request, s.on_quotas(caller, b)};
           } else {
             proto::JobAnswer a;
             a.error = fmt::format("a {} message is not for the job service",
@@ -775,6 +1123,10 @@ Message JobService::handle(const Caller& caller, std::uint64_t request, Message&
             proto::LogsChunk c;
             c.error = a.error;
             return Message{request, c};
+          } else if constexpr (std::is_same_v<T, proto::QuotasQuery>) {
+            proto::QuotasInfo q;
+            q.error = a.error;
+            return Message{request, q};
           }
           return Message{request, a};
         }
@@ -794,6 +1146,7 @@ void JobService::tick() {
         s.finish(j, "ENDED", "its run was gone when the head came back");
       }
     }
+    s.meter();
     s.schedule_queue();
     if (Clock::now() - s.swept >= kSweepEvery) {
       s.swept = Clock::now();
@@ -805,7 +1158,7 @@ void JobService::tick() {
 }
 
 void JobService::reserved(const std::string& run, std::optional<std::int64_t> job_id,
-                          const std::string& name, const std::string& user,
+                          const std::string& name, const std::string& user, const std::string& team,
                           const std::vector<proto::RankPlace>& placement, int gpus, int cpus,
                           int nodes) {
   State& s = *s_;
@@ -823,6 +1176,7 @@ void JobService::reserved(const std::string& run, std::optional<std::int64_t> jo
       JobRecord r;
       r.name = name;
       r.user = user;
+      r.team = team;
       r.kind = "interactive";
       r.state = "RUNNING";
       r.submitted = r.started = unix_now();
@@ -866,6 +1220,12 @@ void JobService::released(const std::string& run, bool lapsed,
     s.log(fmt::format("job service: {}", e.what()));
   }
   s.interactive.erase(it);
+}
+
+std::string JobService::reload_quotas() {
+  const std::string text = s_->reload();
+  s_->store->audit(AuditRecord{0, unix_now(), "head", "quotas reload", "", "SIGHUP: " + text});
+  return text;
 }
 
 }  // namespace twinkle::core::jobs

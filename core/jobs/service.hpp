@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/jobs/store.hpp"
+#include "core/jobs/tenancy.hpp"
 #include "transports/zmq/message.hpp"
 #include "transports/zmq/protocol.hpp"
 
@@ -22,12 +23,19 @@ namespace twinkle::core::jobs {
 namespace proto = transport::proto;
 using Message = transport::ClusterMessage;
 
+// Why a job got no hold: the devices are busy now, or it fits the live nodes not even when idle
+// (`never`: it waits without holding back the queue).
+struct Refusal {
+  std::string why;
+  bool never = false;
+};
+
 // What the service needs of the head.
 struct ClusterView {
   // Holds devices for job `id` until its driver reserves them; returns nullopt when held, else
   // why it does not fit now.
-  std::function<std::optional<std::string>(std::int64_t id,
-                                           const std::vector<proto::GroupDemandEntry>& demand)>
+  std::function<std::optional<Refusal>(std::int64_t id,
+                                       const std::vector<proto::GroupDemandEntry>& demand)>
       hold;
   std::function<void(std::int64_t id)> unhold;
   // Stops the workers of `run` at once and frees its devices.
@@ -37,6 +45,11 @@ struct ClusterView {
   // The CPU a running job's driver takes on the head's node (nothing when held already, or when
   // the head's machine is no node).
   std::function<void(std::int64_t id)> hold_driver;
+  // Would `demand` (and its driver) fit now were the devices of these jobs (their holds) and
+  // these runs free? Nothing is held.
+  std::function<bool(const std::vector<proto::GroupDemandEntry>& demand,
+                     const std::vector<std::int64_t>& jobs, const std::vector<std::string>& runs)>
+      fits_without;
 };
 
 struct ServiceOptions {
@@ -49,6 +62,10 @@ struct ServiceOptions {
   std::string key_file, head_public;  // the drivers' keys ("" without)
   std::filesystem::path exe;          // the twinkle binary
   std::function<void(const std::string&)> log;
+  // Teams (docs/ARCHITECTURE.md, Teams and quotas): the quotas (no_quotas() without a file) and
+  // the allow-list's members by team, for `twinkle quotas`.
+  Quotas quotas = no_quotas();
+  std::map<std::string, std::string> member_teams;  // member name -> team
 };
 
 // Who sent a message: the name of the key its connection authenticated with ("" on a cluster
@@ -57,6 +74,7 @@ struct Caller {
   std::string user;
   bool admin = false;
   std::string identity;  // its connection's (for uploads in progress)
+  std::string team = "default";
 };
 
 class JobService {
@@ -68,8 +86,8 @@ class JobService {
   JobService& operator=(const JobService&) = delete;
   ~JobService();
 
-  // A job service message (upload_check, upload_part, submit, jobs_query, logs_query, job_stop):
-  // the answer to send back.
+  // A job service message (upload_check, upload_part, submit, jobs_query, logs_query, job_stop,
+  // quotas_query): the answer to send back.
   Message handle(const Caller& caller, std::uint64_t request, Message& m);
 
   // Starts what the queue can start and notices drivers that ended. Call every few hundred ms.
@@ -78,12 +96,16 @@ class JobService {
   // The head made a reservation for `run`: a submitted job's driver when `job_id`, else an
   // interactive `twinkle run --address` (recorded as a job of its own).
   void reserved(const std::string& run, std::optional<std::int64_t> job_id, const std::string& name,
-                const std::string& user, const std::vector<proto::RankPlace>& placement, int gpus,
-                int cpus, int nodes);
+                const std::string& user, const std::string& team,
+                const std::vector<proto::RankPlace>& placement, int gpus, int cpus, int nodes);
   // `run` ended: released by its driver (`lapsed` false; with how it ended when the driver said)
   // or its lease ran out.
   void released(const std::string& run, bool lapsed,
                 const std::optional<std::string>& outcome = std::nullopt);
+
+  // Reads the quotas file again (SIGHUP, `twinkle quotas reload`): what it did, or an Error
+  // (ConfigError with file:line:col) that leaves the quotas as they were.
+  std::string reload_quotas();
 
  private:
   struct State;

@@ -2,6 +2,8 @@
 
 #include <sqlite3.h>
 
+#include <set>
+
 #include <fmt/format.h>
 
 #include "twinkle/errors.hpp"
@@ -22,7 +24,10 @@ CREATE TABLE IF NOT EXISTS jobs (
   overrides TEXT NOT NULL, after_job INTEGER NOT NULL, after_condition TEXT NOT NULL,
   demand TEXT NOT NULL, placement TEXT NOT NULL, resume_on_retry INTEGER NOT NULL,
   stop_grace_s REAL NOT NULL, supervisor_pid INTEGER NOT NULL,
-  supervisor_start INTEGER NOT NULL, stop_requested INTEGER NOT NULL);
+  supervisor_start INTEGER NOT NULL, stop_requested INTEGER NOT NULL,
+  team TEXT NOT NULL DEFAULT 'default', priority INTEGER NOT NULL DEFAULT 0,
+  preemptible INTEGER NOT NULL DEFAULT 1, preemptions INTEGER NOT NULL DEFAULT 0,
+  preempted_by INTEGER NOT NULL DEFAULT 0, retry_base INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS audit (
   id INTEGER PRIMARY KEY AUTOINCREMENT, job INTEGER NOT NULL, time INTEGER NOT NULL,
@@ -34,7 +39,17 @@ constexpr const char* kColumns =
     "id, name, user, kind, state, reason, submitted, started, ended, retries, max_retries, "
     "exit_code, gpus, cpus, nodes, gpu_seconds, run, from_host, stopped_by, job_file, sha256, "
     "overrides, after_job, after_condition, demand, placement, resume_on_retry, stop_grace_s, "
-    "supervisor_pid, supervisor_start, stop_requested";
+    "supervisor_pid, supervisor_start, stop_requested, team, priority, preemptible, preemptions, "
+    "preempted_by, retry_base";
+
+// Columns a history written before teams (issue 24) lacks, added when it is opened.
+constexpr const char* kAddedColumns[][2] = {
+    {"team", "TEXT NOT NULL DEFAULT 'default'"},    {"priority", "INTEGER NOT NULL DEFAULT 0"},
+    {"preemptible", "INTEGER NOT NULL DEFAULT 1"},  {"preemptions", "INTEGER NOT NULL DEFAULT 0"},
+    {"preempted_by", "INTEGER NOT NULL DEFAULT 0"}, {"retry_base", "INTEGER NOT NULL DEFAULT 0"}};
+
+// The states of jobs that have not ended, as SQL.
+constexpr const char* kActive = "('QUEUED','RUNNING','PREEMPTED')";
 
 // One prepared statement; binds by position from 1, reads columns from 0.
 class Statement {
@@ -130,6 +145,12 @@ JobRecord read_job(const Statement& s) {
   j.supervisor_pid = static_cast<int>(s.i64(c++));
   j.supervisor_start = s.i64(c++);
   j.stop_requested = s.i64(c++);
+  j.team = s.text(c++);
+  j.priority = static_cast<int>(s.i64(c++));
+  j.preemptible = s.i64(c++) != 0;
+  j.preemptions = static_cast<int>(s.i64(c++));
+  j.preempted_by = s.i64(c++);
+  j.retry_base = static_cast<int>(s.i64(c++));
   return j;
 }
 
@@ -145,8 +166,11 @@ void bind_job(Statement& s, const JobRecord& j, int first) {
            j.retries, j.max_retries, j.exit_code, j.gpus, j.cpus, j.nodes, j.gpu_seconds, j.run,
            j.from, j.stopped_by, j.job_file, j.sha256, j.overrides, j.after_job, j.after_condition,
            j.demand, j.placement, j.resume_on_retry, j.stop_grace_s, j.supervisor_pid,
-           j.supervisor_start, j.stop_requested);
+           j.supervisor_start, j.stop_requested, j.team, j.priority, j.preemptible, j.preemptions,
+           j.preempted_by, j.retry_base);
 }
+
+constexpr int kBound = 36;  // columns but id
 
 }  // namespace
 
@@ -174,13 +198,22 @@ Store::Store(const std::filesystem::path& file) : file_(file.string()) {
                     "choose another --state-dir",
                     file_, why));
   }
+  std::set<std::string> have;
+  {
+    Statement s(db_, "PRAGMA table_info(jobs)", file_);
+    while (s.step()) have.insert(s.text(1));
+  }
+  for (const auto& [name, type] : kAddedColumns) {
+    if (have.count(name)) continue;
+    Statement(db_, fmt::format("ALTER TABLE jobs ADD COLUMN {} {}", name, type), file_).step();
+  }
 }
 
 Store::~Store() { sqlite3_close(db_); }
 
 std::int64_t Store::add(const JobRecord& job) {
   std::string marks;
-  for (int i = 0; i < 30; ++i) marks += ", ?";
+  for (int i = 0; i < kBound; ++i) marks += ", ?";
   Statement s(db_, fmt::format("INSERT INTO jobs ({}) VALUES (NULL{})", kColumns, marks), file_);
   bind_job(s, job, 1);
   s.step();
@@ -194,10 +227,11 @@ void Store::update(const JobRecord& job) {
               "gpu_seconds=?, run=?, from_host=?, stopped_by=?, job_file=?, sha256=?, "
               "overrides=?, after_job=?, after_condition=?, demand=?, placement=?, "
               "resume_on_retry=?, stop_grace_s=?, supervisor_pid=?, supervisor_start=?, "
-              "stop_requested=? WHERE id=?",
+              "stop_requested=?, team=?, priority=?, preemptible=?, preemptions=?, "
+              "preempted_by=?, retry_base=? WHERE id=?",
               file_);
   bind_job(s, job, 1);
-  s.bind(31, job.id);
+  s.bind(kBound + 1, job.id);
   s.step();
 }
 
@@ -214,18 +248,17 @@ std::vector<JobRecord> Store::list(const JobFilter& f) const {
   if (!f.user.empty()) where += " AND user=?1";
   if (!f.state.empty()) where += " AND state=?2";
   {
-    Statement s(db_,
-                fmt::format("SELECT {} FROM jobs {} AND state IN ('QUEUED','RUNNING') ORDER BY id",
-                            kColumns, where),
-                file_);
+    Statement s(
+        db_,
+        fmt::format("SELECT {} FROM jobs {} AND state IN {} ORDER BY id", kColumns, where, kActive),
+        file_);
     if (!f.user.empty()) s.bind(1, f.user);
     if (!f.state.empty()) s.bind(2, f.state);
     while (s.step()) out.push_back(read_job(s));
   }
   Statement s(db_,
-              fmt::format("SELECT {} FROM jobs {} AND state NOT IN ('QUEUED','RUNNING') ORDER BY "
-                          "id DESC{}",
-                          kColumns, where, f.all ? "" : " LIMIT ?3"),
+              fmt::format("SELECT {} FROM jobs {} AND state NOT IN {} ORDER BY id DESC{}", kColumns,
+                          where, kActive, f.all ? "" : " LIMIT ?3"),
               file_);
   if (!f.user.empty()) s.bind(1, f.user);
   if (!f.state.empty()) s.bind(2, f.state);
@@ -268,8 +301,9 @@ std::vector<std::pair<std::int64_t, std::string>> Store::prune(int keep) {
   std::vector<std::pair<std::int64_t, std::string>> gone;
   {
     Statement s(db_,
-                "SELECT id, sha256 FROM jobs WHERE state NOT IN ('QUEUED','RUNNING') ORDER BY id "
-                "DESC LIMIT -1 OFFSET ?",
+                fmt::format("SELECT id, sha256 FROM jobs WHERE state NOT IN {} ORDER BY id DESC "
+                            "LIMIT -1 OFFSET ?",
+                            kActive),
                 file_);
     s.bind(1, keep);
     while (s.step()) gone.emplace_back(s.i64(0), s.text(1));
@@ -287,6 +321,18 @@ std::vector<std::pair<std::int64_t, std::string>> Store::prune(int keep) {
   }
   sqlite3_exec(db_, "COMMIT", nullptr, nullptr, &err);
   return gone;
+}
+
+std::vector<JobRecord> Store::started_since(std::int64_t since) const {
+  std::vector<JobRecord> out;
+  Statement s(db_,
+              fmt::format("SELECT {} FROM jobs WHERE started > 0 AND (ended = 0 OR ended >= ?) "
+                          "ORDER BY id",
+                          kColumns),
+              file_);
+  s.bind(1, since);
+  while (s.step()) out.push_back(read_job(s));
+  return out;
 }
 
 bool Store::uses(const std::string& sha256) const {

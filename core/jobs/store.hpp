@@ -19,7 +19,8 @@ struct JobRecord {
   std::int64_t id = 0;  // assigned by add
   std::string name, user;
   std::string kind = "submitted";  // "submitted" | "interactive"
-  std::string state = "QUEUED";    // QUEUED RUNNING SUCCEEDED FAILED STOPPED DROPPED ENDED
+  // QUEUED RUNNING PREEMPTED (waiting to resume) SUCCEEDED FAILED STOPPED DROPPED ENDED
+  std::string state = "QUEUED";
   std::string reason;
   std::int64_t submitted = 0, started = 0, ended = 0;  // unix seconds
   int retries = 0, max_retries = 0;
@@ -40,6 +41,13 @@ struct JobRecord {
   int supervisor_pid = 0;
   std::int64_t supervisor_start = 0;  // the supervisor's start time (/proc/PID/stat), for pid reuse
   std::int64_t stop_requested = 0;    // unix seconds of a graceful stop, 0 none
+  // Teams (docs/ARCHITECTURE.md, Teams and quotas).
+  std::string team = "default";  // its submitter's team when it was submitted
+  int priority = 0;              // within its team
+  bool preemptible = true;       // [job] preemptible: false never borrows
+  int preemptions = 0;
+  std::int64_t preempted_by = 0;  // the job whose team reclaimed its devices last (0 none)
+  int retry_base = 0;             // driver retries before its latest start (after preemptions)
 };
 
 struct AuditRecord {
@@ -66,7 +74,7 @@ class Store {
   std::int64_t add(const JobRecord& job);
   void update(const JobRecord& job);
   std::optional<JobRecord> get(std::int64_t id) const;
-  // Active jobs (QUEUED, RUNNING) first by id, then ended ones newest first (the newest
+  // Active jobs (QUEUED, RUNNING, PREEMPTED) first by id, then ended ones newest first (the newest
   // `recent` of them unless `all`), after the user and state filters.
   std::vector<JobRecord> list(const JobFilter& filter) const;
   // Jobs in `state`, by id.
@@ -78,6 +86,8 @@ class Store {
   // Removes the oldest ended jobs (and their audit records) beyond the newest `keep` ended ones;
   // returns their ids and working directory sha256s.
   std::vector<std::pair<std::int64_t, std::string>> prune(int keep);
+  // Jobs that started and are running or ended at `since` or later (unix seconds), by id.
+  std::vector<JobRecord> started_since(std::int64_t since) const;
   // True when a job in the history has the working directory `sha256`.
   bool uses(const std::string& sha256) const;
   std::int64_t count() const;

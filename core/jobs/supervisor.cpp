@@ -49,6 +49,13 @@ class LogWriter {
   }
 
   void write(const char* p, std::size_t n) {
+    // A piece larger than a half (the driver wrote faster than it was read) goes in halves, so
+    // that the two files never hold more than the cap.
+    while (n > half_) {
+      write(p, half_);
+      p += half_;
+      n -= half_;
+    }
     if (size_ + n > half_ && size_ > 0) rotate();
     std::size_t done = 0;
     while (done < n) {

@@ -25,6 +25,7 @@
 #include <zmq.hpp>
 
 #include "core/job/placement.hpp"
+#include "core/job/size.hpp"
 #include "core/job/topology.hpp"
 #include "core/job/values.hpp"
 #include "core/runtime/call_table.hpp"
@@ -476,7 +477,8 @@ class JobRun : public HostOps {
       const auto& gp = placement_.groups[gi];
       for (std::size_t wi = 0; wi < gp.workers.size(); ++wi) {
         launches_.push_back({fmt::format("{}:{}", gp.group->name, gp.workers[wi].index),
-                             worker_env(base, placement_, gi, wi, rendezvous[gi], run)});
+                             worker_env(base, placement_, gi, wi, rendezvous[gi], run),
+                             gp.group->memory});
       }
     }
   }
@@ -530,6 +532,14 @@ class JobRun : public HostOps {
     lo.quiet = options_.quiet;
     launcher_ = std::make_unique<LocalLauncher>(lo, *local);
     channel_ = std::move(local);
+    for (const auto& g : job_.groups) {
+      if (g.memory > 0 && !options_.quiet) {
+        std::fprintf(stderr,
+                     "twinkle: note: group \"%s\" has memory = %s, which node agents enforce; "
+                     "a local run does not\n",
+                     g.name.c_str(), format_size(g.memory).c_str());
+      }
+    }
     for (char** e = environ; *e; ++e) base->emplace_back(*e);
     std::vector<Rendezvous> rendezvous;
     for (int port : free_ports(placement_.groups.size()))

@@ -24,6 +24,7 @@ namespace twinkle::core {
 struct WorkerLaunch {
   std::string name;              // "model:3"
   std::vector<std::string> env;  // its whole environment (worker_env)
+  std::uint64_t memory = 0;      // its memory limit in bytes (0 none; node agents enforce it)
 };
 
 // Starts the workers of a run wherever they run and reports each one it loses to the driver's

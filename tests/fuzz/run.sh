@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 BIN="$OUT/$TARGET"
 
 case $TARGET in
-  fuzz_job) sources=(core/job/job.cpp core/job/mesh.cpp); libs=(-ltomlplusplus -lfmt) ;;
+  fuzz_job) sources=(core/job/job.cpp core/job/mesh.cpp core/job/size.cpp); libs=(-ltomlplusplus -lfmt) ;;
   fuzz_message) sources=(transports/zmq/message.cpp transports/zmq/protocol.cpp transports/shm/segment.cpp); libs=(-lzmq -lfmt) ;;
   fuzz_value) sources=(); libs=() ;;
   fuzz_plugin_file) sources=(plugins/loader.cpp); libs=(-lfmt -ldl) ;;

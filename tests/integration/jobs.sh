@@ -142,6 +142,46 @@ submit_id() {
   python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$TMP/submit.json"
 }
 
+# team_keys: keys for the head, a node and the members alice (team a), bob (team b) and carol
+# (team c, admin) in $TMP/keys, with the allow-list $TMP/keys/allow; defines `as MEMBER`.
+team_keys() {
+  mkdir -p "$TMP/keys"
+  run 0 "$TWK" keygen --out "$TMP/keys/head" --name the-head
+  for who in node alice bob carol; do
+    run 0 "$TWK" keygen --out "$TMP/keys/$who" --name "$who"
+  done
+  {
+    cat "$TMP/keys/node/twinkle.pub"
+    echo "$(cat "$TMP/keys/alice/twinkle.pub") team=a"
+    echo "$(cat "$TMP/keys/bob/twinkle.pub") team=b"
+    echo "$(cat "$TMP/keys/carol/twinkle.pub") team=c admin"
+  } >"$TMP/keys/allow"
+  KEYED=(--key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/allow")
+}
+as() { echo --key "$TMP/keys/$1/twinkle.key" --head-key "$TMP/keys/head/twinkle.pub"; }
+
+# gpu_job NAME N: a working directory with a job of the fixture's `hang` driver whose group a is
+# N workers of one GPU each (mesh dp = N) and group b one CPU worker.
+gpu_job() {
+  fixture_dir "$1" hang
+  sed -i "s/^ranks = 4\$/ranks = $2\ndevice = \"cuda\"/; s/^mesh = { dp = 2, tp = 2 }\$/mesh = { dp = $2 }/; s/^ranks = 2\$/ranks = 1/; s/^mesh = { pp = 2 }\$/mesh = { pp = 1 }/" "$TMP/$1/job.toml"
+}
+
+# show_jobs HEADING: `twinkle jobs` into the test's log, under HEADING.
+show_jobs() {
+  echo "=== $1"
+  "$TWK" jobs --address "$ADDR" "${MEMBER[@]}"
+}
+
+# until_reason ID TEXT SECONDS: until job ID's reason holds TEXT.
+until_reason() {
+  local deadline=$((SECONDS + $3))
+  until job_field "$1" reason | grep -qF -- "$2"; do
+    [ $SECONDS -lt $deadline ] || { show_jobs "jobs"; fail "job $1 waits with \"$(job_field "$1" reason)\", not \"$2\""; }
+    sleep 0.1
+  done
+}
+
 final_loss() { sed -n 's/^final loss: //p' "$1"; }
 same_loss() {
   python3 -c "import sys; a,b=float('$1'),float('$2'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
@@ -220,7 +260,7 @@ case "$CASE" in
     start_head
     start_agent n1 --cpus 4
     digits_dir quick 2
-    digits_dir long 40
+    digits_dir long 200  # long enough to be running while the queued job waits, on a fast machine
     first=$(submit_id "$TMP/quick/job.toml")
     wait_state "$first" SUCCEEDED 60
     long=$(submit_id "$TMP/long/job.toml")
@@ -244,7 +284,7 @@ case "$CASE" in
     started=$(job_field "$queued" started)
     [ "$started" -ge "$ended" ] || fail "the queued job started ($started) before the long one ended ($ended)"
     run 0 "$TWK" logs "$long" --address "$ADDR"
-    expect_out "epoch 40 "
+    expect_out "epoch 200 "
     expect_out "final loss:"
     ;;
 
@@ -913,6 +953,248 @@ sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1
     for f in cluster jobs job job-stopped cluster-after-stop submit job-hello search rerun; do
       [ -s "$SHOTS/$f.png" ] || fail "no screenshot $f.png"
     done
+    ;;
+
+  teams_preempt)
+    # Issue 24, test 1: teams a and b with quotas of 4 CPUs and 4 to borrow, on an 8-CPU node.
+    # alice (a) runs an 8-worker digits, borrowing 4; bob (b) submits a 4-worker job within his
+    # quota: alice's job checkpoints and is PREEMPTED, bob's runs; when it ends, alice's resumes
+    # and ends with the final loss of an uninterrupted run.
+    team_keys
+    printf '[team.a]\ncpus = 4\nborrow_cpus = 4\n[team.b]\ncpus = 4\nborrow_cpus = 4\n' >"$TMP/quotas.toml"
+    start_head "${KEYED[@]}" --quotas "$TMP/quotas.toml"
+    start_agent n1 --cpus 8 $(as node)
+    for d in ref big; do
+      digits_dir "$d" 150 'checkpoint_dir = "ck"'
+      sed -i 's/^ranks  = 4 .*/ranks  = 8/' "$TMP/$d/job.toml"
+    done
+    digits_dir small 20
+    run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
+    want=$(final_loss "$TMP/out")
+    [ -n "$want" ] || fail "no final loss in the reference run"
+    MEMBER=($(as alice))
+    big=$(submit_id "$TMP/big/job.toml")
+    deadline=$((SECONDS + 60))
+    until "$TWK" logs "$big" --grep '^epoch 2 ' --address "$ADDR" "${MEMBER[@]}" | grep -q epoch; do
+      [ $SECONDS -lt $deadline ] || fail "alice's job did not reach epoch 2"
+      sleep 0.1
+    done
+    show_jobs "1. alice's 8-worker job runs, 4 of its CPUs borrowed"
+    until_reason "$big" "borrowing beyond team a's quota" 5
+    MEMBER=($(as bob))
+    small=$(submit_id "$TMP/small/job.toml")
+    wait_state "$big" PREEMPTED 60
+    show_jobs "2. bob's job within team b's quota: alice's job is preempted"
+    until_reason "$big" "preempted by job $small" 5
+    wait_state "$small" SUCCEEDED 120
+    show_jobs "3. bob's job ended: alice's resumes"
+    wait_state "$big" SUCCEEDED 150
+    show_jobs "4. alice's job ended with the uninterrupted run's final loss"
+    run 0 "$TWK" logs "$big" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "stopping after epoch"
+    expect_out "resumed after epoch"
+    [ "$(grep -c '^final loss: ' "$TMP/out")" -eq 1 ] || { cat "$TMP/out"; fail "the preempted attempt did not stop mid-run"; }
+    same_loss "$(final_loss "$TMP/out")" "$want"
+    run 0 "$TWK" job show "$big" --address "$ADDR" "${MEMBER[@]}"
+    cat "$TMP/out"
+    expect_out "team       a"
+    expect_out "preempted  1 time, last for job $small"
+    grep -E ' head +preempt +for job '"$small"' of team b' "$TMP/out" || fail "the audit lacks the preemption"
+    grep -E ' head +preempted +for job '"$small"'; driver exit code 75' "$TMP/out" || fail "the driver did not stop with 75 after its checkpoint"
+    run 0 "$TWK" jobs --json --address "$ADDR" "${MEMBER[@]}"
+    python3 -c 'import json,sys; j={x["id"]: x for x in json.load(open(sys.argv[1]))}; b=j[int(sys.argv[2])]
+assert b["team"] == "a" and b["preemptions"] == 1 and b["preempted_by"] == int(sys.argv[3]), b' \
+      "$TMP/out" "$big" "$small" || fail "jobs --json lacks the team or the preemption"
+    ;;
+
+  teams_quotas)
+    # Issue 24, test 5, and the waiting reasons: a malformed quotas file is refused at start with
+    # file:line:col; `twinkle quotas` shows each team; a reload (SIGHUP, `twinkle quotas reload`
+    # by an admin) changes the queue's order; a malformed reload keeps the quotas; --priority is
+    # bounded per team; a job larger than its team may ever hold is refused.
+    team_keys
+    printf '[team.a]\ncpus = 4\nweight = 0\n' >"$TMP/bad.toml"
+    run 2 "$TWK" node start --head --no-agent --bind 127.0.0.1 --port 0 --state-dir "$TMP/s2" \
+      "${KEYED[@]}" --quotas "$TMP/bad.toml"
+    expect_err "bad.toml:3:10: team.a.weight must be a number above 0"
+    run 2 "$TWK" node start --head --no-agent --bind 127.0.0.1 --port 0 --state-dir "$TMP/s2" \
+      "${KEYED[@]}" --quotas "$TMP/missing.toml"
+    expect_err "missing.toml: cannot read it"
+    printf '[team.a]\ncpus = 6\n[team.b]\ncpus = 6\n[team.c]\ncpus = 6\n' >"$TMP/quotas.toml"
+    start_head "${KEYED[@]}" --quotas "$TMP/quotas.toml"
+    start_agent n1 --cpus 6 $(as node)
+    fixture_dir h hang  # 6 workers
+    MEMBER=($(as carol))
+    blocker=$(submit_id "$TMP/h/job.toml" --name blocker)
+    wait_state "$blocker" RUNNING 20
+    MEMBER=($(as alice))
+    a1=$(submit_id "$TMP/h/job.toml" --name a1)
+    MEMBER=($(as bob))
+    b1=$(submit_id "$TMP/h/job.toml" --name b1)
+    until_reason "$a1" "waiting for devices" 10
+    until_reason "$b1" "waiting behind job $a1" 10
+    show_jobs "a1 goes first: both within quota, equal shares, a1 submitted first"
+    run 0 "$TWK" quotas --address "$ADDR" "${MEMBER[@]}"
+    cat "$TMP/out"
+    grep -qE '^c +0 / - +0 / 0 +6 / 6 +0 / 0 .* 1 +0  carol$' "$TMP/out" || fail "quotas: team c does not hold 6 of its 6 CPUs"
+    grep -qE '^a +0 / - +0 / 0 +0 / 6 .* 0 +1  alice$' "$TMP/out" || fail "quotas: team a has not 1 job waiting"
+    # Team a may now hold 3 CPUs and borrow 3: a1 would borrow, so b1 (within quota) goes first.
+    printf '[team.a]\ncpus = 3\nborrow_cpus = 3\n[team.b]\ncpus = 6\n[team.c]\ncpus = 6\n' >"$TMP/quotas.toml"
+    run 1 "$TWK" quotas reload --address "$ADDR" $(as alice)
+    expect_err "you (alice) may not reload the quotas"
+    kill -HUP "$HEAD_PID"
+    wait_for "$TMP/head.log" "read $TMP/quotas.toml again" 10
+    until_reason "$b1" "waiting for devices" 10
+    until_reason "$a1" "waiting behind job $b1" 10
+    show_jobs "after SIGHUP: a1 would borrow, b1 goes first"
+    # A malformed file is not taken: the quotas stay.
+    printf '[team.a]\ncpus = "x"\n' >"$TMP/quotas.toml"
+    run 1 "$TWK" quotas reload --address "$ADDR" $(as carol)
+    expect_err "quotas.toml:2:8: team.a.cpus must be a whole number from 0 to"
+    run 0 "$TWK" quotas --json --address "$ADDR" $(as carol)
+    python3 -c 'import json,sys; t={x["name"]: x for x in json.load(open(sys.argv[1]))["teams"]}
+assert t["a"]["cpus"] == 3 and t["a"]["borrow_cpus"] == 3 and t["c"]["used_cpus"] == 6, t' "$TMP/out" ||
+      { cat "$TMP/out"; fail "a malformed reload changed the quotas"; }
+    # --priority within the team's bound (10 by default); a job beyond what team a may ever hold.
+    run 2 "$TWK" submit "$TMP/h/job.toml" --priority 50 --address "$ADDR" $(as alice)
+    expect_err "--priority 50: team a may give -10 to 10"
+    fixture_dir big hang
+    sed -i 's/^ranks = 4$/ranks = 8/; s/dp = 2, tp = 2/dp = 4, tp = 2/' "$TMP/big/job.toml"
+    run 2 "$TWK" submit "$TMP/big/job.toml" --address "$ADDR" $(as alice)
+    expect_err "the job needs 10 CPUs, and team a may hold at most 6 (a quota of 3 and 3 to borrow)"
+    # The blocker ends: b1 runs first, a1 waits behind it (it fits no more).
+    run 0 "$TWK" stop "$blocker" --now --address "$ADDR" $(as carol)
+    wait_state "$b1" RUNNING 20
+    [ "$(job_field "$a1" state)" = QUEUED ] || fail "a1 is $(job_field "$a1" state), expected QUEUED"
+    until_reason "$a1" "waiting: team a uses 0 of its 3 CPUs; it may borrow 3 more when the cluster has them free" 10
+    show_jobs "b1 runs; a1 waits to borrow"
+    ;;
+
+  teams_gpus)
+    # Issue 24, test 1 on 4 declared GPUs (the fixture's jobs, which hold GPUs without using
+    # them): teams a and b with 2 GPUs each and 2 to borrow. alice's 4-GPU job borrows 2; bob's
+    # 2-GPU job takes them back: alice's job is PREEMPTED (no checkpoint_dir: it starts again
+    # from the start) and resumes once bob's job is gone. Every waiting reason names the team.
+    team_keys
+    printf '[team.a]\ngpus = 2\nborrow_gpus = 2\n[team.b]\ngpus = 2\nborrow_gpus = 2\n' >"$TMP/quotas.toml"
+    start_head "${KEYED[@]}" --quotas "$TMP/quotas.toml"
+    start_agent n1 --cpus 8 --gpus 4 $(as node)
+    gpu_job g4 4
+    gpu_job g2 2
+    MEMBER=($(as alice))
+    big=$(submit_id "$TMP/g4/job.toml" --name a-4gpu)
+    wait_state "$big" RUNNING 20
+    [ "$(job_field "$big" gpus)" = 4 ] || fail "alice's job holds $(job_field "$big" gpus) GPUs, not 4"
+    until_reason "$big" "borrowing beyond team a's quota" 10
+    # A second job of alice's would go beyond what team a may hold: it waits for her own jobs.
+    second=$(submit_id "$TMP/g2/job.toml" --name a-more)
+    until_reason "$second" "waiting: team a uses 4 of its 2 GPUs (job $big); this job needs 2 more and the team may borrow at most 2 beyond its quota" 10
+    run 0 "$TWK" stop "$second" --address "$ADDR" "${MEMBER[@]}"
+    show_jobs "1. alice's 4-GPU job borrows 2 of team b's GPUs"
+    MEMBER=($(as bob))
+    small=$(submit_id "$TMP/g2/job.toml" --name b-2gpu)
+    wait_state "$big" PREEMPTED 60
+    until_reason "$big" "preempted by job $small" 5
+    until_reason "$big" "resumes from the start (it has no checkpoint_dir)" 5
+    wait_state "$small" RUNNING 30
+    until_reason "$big" "waiting: team a uses 0 of its 2 GPUs; it may borrow 2 more when the cluster has them free" 10
+    show_jobs "2. bob's 2-GPU job within team b's quota runs; alice's waits to resume"
+    run 0 "$TWK" quotas --address "$ADDR" "${MEMBER[@]}"
+    cat "$TMP/out"
+    grep -qE '^b +2 / 2 +0 / 2 ' "$TMP/out" || fail "quotas: team b does not use 2 of its 2 GPUs"
+    run 0 "$TWK" stop "$small" --now --address "$ADDR" "${MEMBER[@]}"
+    wait_state "$big" RUNNING 30
+    show_jobs "3. bob's job is gone: alice's resumes"
+    [ "$(job_field "$big" preemptions)" = 1 ] || fail "preemptions: $(job_field "$big" preemptions)"
+    ;;
+
+  isolation_memory)
+    # Issue 24, test 3: `memory = "256MiB"` on group a: every worker runs in its run's cgroup
+    # (/proc/PID/cgroup names it), the run's CPU quota is the CPUs its workers hold, a:0's limit
+    # is 256 MiB, and when a:0 allocates 1 GiB the kernel kills it and the run says so. A limit
+    # beyond every node's memory does not fit. 77 where this machine gives no cgroups.
+    start_head
+    start_agent n1 --cpus 8
+    grep -q "isolation between jobs: cgroup" "$TMP/agent-n1.log" || {
+      grep "isolation between jobs" "$TMP/agent-n1.log"
+      echo "no usable cgroups here (needs root and cgroup v2, or the v1 cpu and memory hierarchies)"
+      exit 77
+    }
+    run 0 "$TWK" nodes --address "$ADDR"
+    expect_out "  isolation: cgroup v"
+    fixture_dir m hog
+    sed -i 's/^ranks = 4$/ranks = 4\nmemory = "256MiB"/' "$TMP/m/job.toml"
+    sed -i "s|^tag = \"t\"|tag = \"t\"\nrelay_file = \"$TMP/go\"\nhog_mib = 1024|" "$TMP/m/job.toml"
+    "$TWK" run "$TMP/m/job.toml" --set job.mode=remote --address "$ADDR" >"$TMP/run.out" 2>&1 &
+    RUN_PID=$!
+    PIDS+=($RUN_PID)
+    wait_for "$TMP/run.out" "ALL READY" 30
+    mapfile -t wpids < <(sed -n 's/^\[\([ab]\):[0-9]*\] READY pid=\([0-9]*\)$/\2/p' "$TMP/run.out")
+    [ "${#wpids[@]}" -eq 6 ] || { cat "$TMP/run.out"; fail "expected 6 workers' pids, got ${#wpids[@]}"; }
+    for p in "${wpids[@]}"; do
+      cg=$(cat "/proc/$p/cgroup")
+      echo "$cg" | grep -qE ':/twinkle/[0-9a-f]+\.n1(/|$)' || { echo "$cg"; fail "worker pid $p is not in its run's cgroup"; }
+    done
+    run_dir=$(sed -n 's|.*:/twinkle/\([0-9a-f]*\.n1\).*|\1|p' "/proc/${wpids[0]}/cgroup" | head -1)
+    if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+      [ "$(cat "/sys/fs/cgroup/twinkle/$run_dir/cpu.max")" = "600000 100000" ] || fail "cpu.max: $(cat "/sys/fs/cgroup/twinkle/$run_dir/cpu.max")"
+      [ "$(cat "/sys/fs/cgroup/twinkle/$run_dir/a.0/memory.max")" = 268435456 ] || fail "a:0's memory.max is not 256 MiB"
+    else
+      cpu_root=$(ls -d /sys/fs/cgroup/cpu /sys/fs/cgroup/cpu,cpuacct 2>/dev/null | head -1)
+      [ "$(cat "$cpu_root/twinkle/$run_dir/cpu.cfs_quota_us")" = 600000 ] || fail "the CPU quota is not 6 CPUs: $(cat "$cpu_root/twinkle/$run_dir/cpu.cfs_quota_us")"
+      [ "$(cat "/sys/fs/cgroup/memory/twinkle/$run_dir/a.0/memory.limit_in_bytes")" = 268435456 ] || fail "a:0's memory limit is not 256 MiB"
+    fi
+    echo "6 workers in /twinkle/$run_dir; CPU quota 6 CPUs; a:0 limited to 256 MiB"
+    touch "$TMP/go"
+    wait "$RUN_PID"
+    rc=$?
+    [ $rc -eq 1 ] || { cat "$TMP/run.out"; fail "the run exited $rc, expected 1"; }
+    grep -E "worker a:0 .*exceeded its memory limit of 256 MiB \(OOM-killed\)" "$TMP/run.out" ||
+      { cat "$TMP/run.out"; fail "the OOM kill is not reported as such"; }
+    ! grep -q "HOG DONE" "$TMP/run.out" || fail "a:0 held 1 GiB under a 256 MiB limit"
+    grep -q "exceeded its memory limit of 256 MiB (OOM-killed)" "$TMP/agent-n1.log" || fail "the agent's log lacks the OOM kill"
+    # Its folders are gone once the run is.
+    deadline=$((SECONDS + 10))
+    while ls -d /sys/fs/cgroup/*/twinkle/"$run_dir" /sys/fs/cgroup/twinkle/"$run_dir" >/dev/null 2>&1; do
+      [ $SECONDS -lt $deadline ] || fail "the run's cgroup folders were left behind"
+      sleep 0.1
+    done
+    # A limit no node has room for.
+    run 2 "$TWK" run "$TMP/m/job.toml" --set job.mode=remote --set group.a.memory=1TiB --set job.queue_timeout_s=0 --address "$ADDR"
+    grep -q "4 worker(s) of 1 CPU and 1 TiB each" "$TMP/err" "$TMP/out" || { cat "$TMP/out" "$TMP/err"; fail "a 1 TiB limit was not refused by the scheduler"; }
+    ;;
+
+  teams_order)
+    # One pass of the queue with jobs of two teams: within-quota jobs go before borrowing ones
+    # even when the borrower was submitted first. Teams a and b may each hold 4 of the 8 GPUs (b
+    # may borrow 4 more); carol's job holds all 8 while bob queues two 4-GPU jobs and then alice
+    # one. When carol's job ends, bob's first and alice's start, and bob's second (which would
+    # borrow) waits, though it was submitted before alice's.
+    team_keys
+    printf '[team.a]\ngpus = 4\n[team.b]\ngpus = 4\nborrow_gpus = 4\n[team.c]\ngpus = 8\n' >"$TMP/quotas.toml"
+    start_head "${KEYED[@]}" --quotas "$TMP/quotas.toml"
+    start_agent n1 --cpus 16 --gpus 8 $(as node)
+    gpu_job g8 8
+    gpu_job g4 4
+    MEMBER=($(as carol))
+    blocker=$(submit_id "$TMP/g8/job.toml" --name blocker)
+    wait_state "$blocker" RUNNING 20
+    MEMBER=($(as bob))
+    b1=$(submit_id "$TMP/g4/job.toml" --name b1)
+    b2=$(submit_id "$TMP/g4/job.toml" --name b2)
+    MEMBER=($(as alice))
+    a1=$(submit_id "$TMP/g4/job.toml" --name a1)
+    until_reason "$a1" "waiting behind job $b1" 10
+    show_jobs "carol's job holds the 8 GPUs; b1, b2 and a1 wait in submit order"
+    run 0 "$TWK" stop "$blocker" --now --address "$ADDR" $(as carol)
+    wait_state "$b1" RUNNING 20
+    wait_state "$a1" RUNNING 20
+    until_reason "$b2" "waiting: team b uses 4 of its 4 GPUs (job $b1); it may borrow 4 more when the cluster has them free" 10
+    show_jobs "b1 and a1 run within their quotas; b2, which would borrow, waits"
+    [ "$(job_field "$b2" state)" = QUEUED ] || fail "b2 is $(job_field "$b2" state): it started borrowing ahead of a1"
+    [ "$(job_field "$b1" preemptions)" = 0 ] && [ "$(job_field "$a1" preemptions)" = 0 ] ||
+      fail "a job was preempted in a pass that had room for both quotas"
+    ! grep -q "job service:" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the job service failed a pass"; }
     ;;
 
   *) fail "unknown case $CASE" ;;

@@ -133,19 +133,36 @@ std::vector<Member> read_members(const std::filesystem::path& file) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream words(line);
     Member m;
-    std::string extra;
-    words >> m.key >> m.name >> extra;
+    words >> m.key >> m.name;
     if (!is_z85_key(m.key)) {
       throw ConfigError(fmt::format(
           "{}:{}: \"{}\" is not a public key (40 Z85 characters, as in a twinkle.pub file)",
           file.string(), n, m.key.substr(0, 48)));
     }
-    if (!extra.empty() && extra != "admin") {
+    if (m.name.find('=') != std::string::npos) {
       throw ConfigError(
-          fmt::format("{}:{}: \"{}\" after the name; a line is `<public key> NAME [admin]`",
-                      file.string(), n, extra.substr(0, 48)));
+          fmt::format("{}:{}: \"{}\" where the member's name goes; a line is `<public key> NAME "
+                      "[team=TEAM] [admin]`",
+                      file.string(), n, m.name.substr(0, 48)));
     }
-    m.admin = extra == "admin";
+    for (std::string extra; words >> extra;) {
+      if (extra == "admin") {
+        m.admin = true;
+      } else if (extra.rfind("team=", 0) == 0) {
+        m.team = extra.substr(5);
+        if (m.team.empty() || m.team.size() > 64 ||
+            m.team.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_-") !=
+                std::string::npos) {
+          throw ConfigError(
+              fmt::format("{}:{}: team \"{}\": a team's name is 1 to 64 of a-z, 0-9, _ and -",
+                          file.string(), n, m.team.substr(0, 48)));
+        }
+      } else {
+        throw ConfigError(fmt::format(
+            "{}:{}: \"{}\" after the name; a line is `<public key> NAME [team=TEAM] [admin]`",
+            file.string(), n, extra.substr(0, 48)));
+      }
+    }
     if (m.name.empty()) m.name = "key-" + m.key.substr(0, 8);
     members.push_back(std::move(m));
   }

@@ -33,14 +33,15 @@ KeyPair read_keypair(const std::filesystem::path& file);
 std::vector<std::string> read_allowed_keys(const std::filesystem::path& file);
 
 // A member of a head's allow-list (docs/ARCHITECTURE.md, Job service): the line
-// `<public key> NAME [admin]`. A line with the key alone names its member "key-" and the key's
-// first 8 characters.
+// `<public key> NAME [team=TEAM] [admin]`. A line with the key alone names its member "key-" and
+// the key's first 8 characters; a member without team= is in the team "default".
 struct Member {
   std::string key, name;
+  std::string team = "default";
   bool admin = false;
 };
-// The same file read as members. Throws ConfigError naming the file and line of a malformed key
-// or a third word other than "admin".
+// The same file read as members. Throws ConfigError naming the file and line of a malformed key,
+// a team name that is not 1 to 64 of a-z, 0-9, _ and -, or another word after the name.
 std::vector<Member> read_members(const std::filesystem::path& file);
 
 // True when `key` is 40 characters of the Z85 alphabet.

@@ -62,6 +62,8 @@ const char* to_string(MsgType t) {
     case MsgType::job_stop: return "job_stop";
     case MsgType::dashboard_link: return "dashboard_link";
     case MsgType::dashboard_grant: return "dashboard_grant";
+    case MsgType::quotas_query: return "quotas_query";
+    case MsgType::quotas_info: return "quotas_info";
   }
   return "unknown";
 }
@@ -515,6 +517,8 @@ namespace proto {
 
 Value to_value(const NodesInfo& info) { return as_value(info); }
 Value to_value(const JobEntry& job) { return as_value(job); }
+
+Value to_value(const QuotasInfo& info) { return as_value(info); }
 
 Value to_value(const Control& body) {
   return std::visit([](const auto& m) { return as_value(m); }, body);

@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 7;
+inline constexpr std::uint16_t kProtocolVersion = 8;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -81,6 +81,9 @@ enum class MsgType : std::uint16_t {
   // The dashboard (docs/ARCHITECTURE.md, Dashboard): a member's login link.
   dashboard_link = 51,
   dashboard_grant = 52,
+  // Teams and quotas (docs/ARCHITECTURE.md, Teams and quotas).
+  quotas_query = 53,
+  quotas_info = 54,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -384,10 +387,12 @@ struct NodeJob {
   std::int64_t since = 0;  // unix seconds
   std::vector<int> gpus;
   int cpus = 0;
+  std::int64_t memory = 0;  // its workers' memory limits, summed
   static constexpr auto fields() {
-    return std::tuple{field("run", &NodeJob::run),     field("job", &NodeJob::job),
-                      field("owner", &NodeJob::owner), field("since", &NodeJob::since),
-                      field("gpus", &NodeJob::gpus),   field("cpus", &NodeJob::cpus)};
+    return std::tuple{field("run", &NodeJob::run),      field("job", &NodeJob::job),
+                      field("owner", &NodeJob::owner),  field("since", &NodeJob::since),
+                      field("gpus", &NodeJob::gpus),    field("cpus", &NodeJob::cpus),
+                      field("memory", &NodeJob::memory)};
   }
 };
 
@@ -400,11 +405,15 @@ struct NodeRegister {
   std::vector<GpuEntry> gpus;
   std::map<std::string, std::string> labels;
   std::vector<NodeJob> jobs;  // what it still runs (a restarted head adopts them)
+  // How it keeps jobs apart: "cgroup v1 (cpu, memory)", or "not enforced: WHY".
+  std::string isolation;
   static constexpr auto fields() {
-    return std::tuple{field("node", &NodeRegister::node),       field("host", &NodeRegister::host),
-                      field("address", &NodeRegister::address), field("cpus", &NodeRegister::cpus),
-                      field("memory", &NodeRegister::memory),   field("gpus", &NodeRegister::gpus),
-                      field("labels", &NodeRegister::labels),   field("jobs", &NodeRegister::jobs)};
+    return std::tuple{
+        field("node", &NodeRegister::node),          field("host", &NodeRegister::host),
+        field("address", &NodeRegister::address),    field("cpus", &NodeRegister::cpus),
+        field("memory", &NodeRegister::memory),      field("gpus", &NodeRegister::gpus),
+        field("labels", &NodeRegister::labels),      field("jobs", &NodeRegister::jobs),
+        field("isolation", &NodeRegister::isolation)};
   }
 };
 
@@ -448,6 +457,7 @@ struct NodeEntry {
   std::map<std::string, std::string> labels;
   double heartbeat_age_s = 0;
   std::int64_t registered = 0;  // unix seconds
+  std::string isolation;        // as its node_register said
   static constexpr auto fields() {
     return std::tuple{field("id", &NodeEntry::id),
                       field("host", &NodeEntry::host),
@@ -459,7 +469,8 @@ struct NodeEntry {
                       field("gpus", &NodeEntry::gpus),
                       field("labels", &NodeEntry::labels),
                       field("heartbeat_age_s", &NodeEntry::heartbeat_age_s),
-                      field("registered", &NodeEntry::registered)};
+                      field("registered", &NodeEntry::registered),
+                      field("isolation", &NodeEntry::isolation)};
   }
 };
 
@@ -504,11 +515,14 @@ struct GroupDemandEntry {
   int gpus_per_worker = 0;
   std::string strategy;  // "pack" | "spread" | "strict_pack" | "strict_spread"
   std::map<std::string, std::string> labels;
+  std::int64_t memory = 0;  // each worker's memory limit in bytes (0 none)
   static constexpr auto fields() {
-    return std::tuple{
-        field("name", &GroupDemandEntry::name), field("workers", &GroupDemandEntry::workers),
-        field("gpus_per_worker", &GroupDemandEntry::gpus_per_worker),
-        field("strategy", &GroupDemandEntry::strategy), field("labels", &GroupDemandEntry::labels)};
+    return std::tuple{field("name", &GroupDemandEntry::name),
+                      field("workers", &GroupDemandEntry::workers),
+                      field("gpus_per_worker", &GroupDemandEntry::gpus_per_worker),
+                      field("strategy", &GroupDemandEntry::strategy),
+                      field("labels", &GroupDemandEntry::labels),
+                      field("memory", &GroupDemandEntry::memory)};
   }
 };
 
@@ -579,8 +593,10 @@ struct Lease {
 struct LaunchWorker {
   std::string name;
   std::vector<std::string> env;  // "KEY=VALUE"
+  std::int64_t memory = 0;       // its memory limit in bytes (0 none)
   static constexpr auto fields() {
-    return std::tuple{field("name", &LaunchWorker::name), field("env", &LaunchWorker::env)};
+    return std::tuple{field("name", &LaunchWorker::name), field("env", &LaunchWorker::env),
+                      field("memory", &LaunchWorker::memory)};
   }
 };
 
@@ -783,6 +799,7 @@ struct Submit {
   std::vector<std::string> overrides;  // "SECTION.KEY=VALUE"
   int max_retries = 0;
   std::optional<AfterEntry> after;
+  int priority = 0;  // within the submitter's team
   std::string user;  // clusters without keys only
   std::string from;  // the client's host
   static constexpr auto fields() {
@@ -792,6 +809,7 @@ struct Submit {
                       field("overrides", &Submit::overrides),
                       field("max_retries", &Submit::max_retries),
                       field("after", &Submit::after),
+                      field("priority", &Submit::priority),
                       field("user", &Submit::user),
                       field("from", &Submit::from)};
   }
@@ -847,9 +865,10 @@ struct AuditEntry {
 struct JobEntry {
   std::int64_t id = 0;
   std::string name, user;
-  std::string kind;    // "submitted" | "interactive"
-  std::string state;   // QUEUED RUNNING SUCCEEDED FAILED STOPPED DROPPED (interactive: ENDED)
-  std::string reason;  // why it waits, or how it ended
+  std::string kind;  // "submitted" | "interactive"
+  // QUEUED RUNNING PREEMPTED SUCCEEDED FAILED STOPPED DROPPED (interactive: ENDED)
+  std::string state;
+  std::string reason;                                  // why it waits, or how it ended
   std::int64_t submitted = 0, started = 0, ended = 0;  // unix seconds, 0 not yet
   int retries = 0, max_retries = 0;
   std::optional<int> exit_code;
@@ -859,6 +878,11 @@ struct JobEntry {
   std::string from, stopped_by, job_file;
   std::vector<std::string> overrides;
   std::optional<AfterEntry> after;
+  std::string team;
+  int priority = 0;
+  bool preemptible = true;
+  int preemptions = 0;
+  std::int64_t preempted_by = 0;  // the job it was last preempted for (0 none)
   // jobs_query with `job` only:
   std::vector<RankPlace> placement;
   std::vector<std::string> summary;  // the last lines of its log
@@ -888,6 +912,11 @@ struct JobEntry {
                       field("job_file", &JobEntry::job_file),
                       field("overrides", &JobEntry::overrides),
                       field("after", &JobEntry::after),
+                      field("team", &JobEntry::team),
+                      field("priority", &JobEntry::priority),
+                      field("preemptible", &JobEntry::preemptible),
+                      field("preemptions", &JobEntry::preemptions),
+                      field("preempted_by", &JobEntry::preempted_by),
                       field("placement", &JobEntry::placement),
                       field("summary", &JobEntry::summary),
                       field("audit", &JobEntry::audit),
@@ -968,17 +997,82 @@ struct DashboardGrant {
   }
 };
 
+// client -> head: each team's quota, use and share; with `reload`, the quotas file is read again
+// first (an admin's).
+struct QuotasQuery {
+  static constexpr MsgType kType = MsgType::quotas_query;
+  bool reload = false;
+  std::string user;  // clusters without keys only
+  std::string from;
+  static constexpr auto fields() {
+    return std::tuple{field("reload", &QuotasQuery::reload), field("user", &QuotasQuery::user),
+                      field("from", &QuotasQuery::from)};
+  }
+};
+
+// One team: its quota (no gpus or cpus: no limit), what it holds now, what of that is borrowed,
+// its share of the past (decayed GPU- and CPU-seconds) and its jobs.
+struct TeamEntry {
+  std::string name;
+  bool listed = true;  // in the quotas file (else the default team's numbers)
+  std::optional<int> gpus, cpus;
+  int borrow_gpus = 0, borrow_cpus = 0;
+  double weight = 1;
+  int max_priority = 0;
+  int used_gpus = 0, used_cpus = 0;
+  int borrowed_gpus = 0, borrowed_cpus = 0;
+  double gpu_seconds = 0, cpu_seconds = 0;
+  int running = 0, waiting = 0;
+  std::vector<std::string> members;  // the allow-list's names in this team
+  static constexpr auto fields() {
+    return std::tuple{field("name", &TeamEntry::name),
+                      field("listed", &TeamEntry::listed),
+                      field("gpus", &TeamEntry::gpus),
+                      field("cpus", &TeamEntry::cpus),
+                      field("borrow_gpus", &TeamEntry::borrow_gpus),
+                      field("borrow_cpus", &TeamEntry::borrow_cpus),
+                      field("weight", &TeamEntry::weight),
+                      field("max_priority", &TeamEntry::max_priority),
+                      field("used_gpus", &TeamEntry::used_gpus),
+                      field("used_cpus", &TeamEntry::used_cpus),
+                      field("borrowed_gpus", &TeamEntry::borrowed_gpus),
+                      field("borrowed_cpus", &TeamEntry::borrowed_cpus),
+                      field("gpu_seconds", &TeamEntry::gpu_seconds),
+                      field("cpu_seconds", &TeamEntry::cpu_seconds),
+                      field("running", &TeamEntry::running),
+                      field("waiting", &TeamEntry::waiting),
+                      field("members", &TeamEntry::members)};
+  }
+};
+
+// head -> client.
+struct QuotasInfo {
+  static constexpr MsgType kType = MsgType::quotas_info;
+  std::string file;  // the quotas file ("" none)
+  double half_life_s = 0;
+  std::vector<TeamEntry> teams;
+  std::string text;  // what a reload did
+  std::optional<std::string> error;
+  static constexpr auto fields() {
+    return std::tuple{field("file", &QuotasInfo::file),
+                      field("half_life_s", &QuotasInfo::half_life_s),
+                      field("teams", &QuotasInfo::teams), field("text", &QuotasInfo::text),
+                      field("error", &QuotasInfo::error)};
+  }
+};
+
 using Cluster =
     std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery, NodesInfo, Reserve,
                  Reservation, Release, Lease, Launch, Launched, NeedPlugin, PluginBytes, StopJob,
                  Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart,
                  UploadState, Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
-                 DashboardLink, DashboardGrant>;
+                 DashboardLink, DashboardGrant, QuotasQuery, QuotasInfo>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.
 Value to_value(const NodesInfo& info);
 Value to_value(const JobEntry& job);
+Value to_value(const QuotasInfo& info);
 Value to_value(const Control& body);
 
 // Every message type with its fields, one line each: "call: instance u64, method str, ...".

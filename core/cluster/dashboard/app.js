@@ -266,7 +266,7 @@ async function draw_topology(p, j) {
 // Stop and Stop now while a submitted job is active; Re-run for a submitted job the head kept
 // the job file of (whoever may: the head refuses another member's job to a non-admin).
 function job_buttons(p, j) {
-  const stoppable = j.kind === "submitted" && (j.state === "QUEUED" || j.state === "RUNNING");
+  const stoppable = j.kind === "submitted" && (j.state === "QUEUED" || j.state === "RUNNING" || j.state === "PREEMPTED");
   const rerunnable = j.kind === "submitted" && Boolean(j.job_text);
   const which = `${stoppable} ${rerunnable}`;
   if (which === p.which) return;
