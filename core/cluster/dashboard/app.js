@@ -112,11 +112,12 @@ async function cluster(mine) {
     `${n.gpus.filter((g) => g.run).length} / ${n.gpus.length}` +
       (n.gpus.length ? " (" + [...new Set(n.gpus.map((g) => g.name))].join(", ") + ")" : ""),
     gpu_use(n), (n.memory / 2 ** 30).toFixed(1) + " GiB",
-    Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ")]);
+    Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", "), n.isolation || "-"]);
   const res = c.reservations.map((r) => [r.run, r.job, r.owner,
     r.bundles.map((b) => `${b.node}: ${b.cpus} CPUs` + (b.gpus.length ? `, GPUs ${b.gpus.join(",")}` : "")).join("; ")]);
   show(mine, el("h2", {}, `Nodes (${c.nodes.length})`),
-    table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "GPU use (NVML)", "memory", "labels"], nodes),
+    table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "GPU use (NVML)", "memory", "labels",
+      "isolation"], nodes),
     el("h2", {}, `Reservations (${c.reservations.length})`),
     table(["run", "job", "user", "devices"], res));
 }
@@ -150,9 +151,14 @@ function jobs_filters(params) {
   el("button", { type: "submit" }, "Filter"));
 }
 
+// "alice (vision)": a job's user and, on a cluster of teams, its team.
+function team_of(j) {
+  return j.team && j.team !== "default" ? `${j.user} (${j.team})` : j.user;
+}
+
 function jobs_list(v, params, list) {
   const rows = list.jobs.map((j) => [el("a", { href: `#/job/${j.id}` }, String(j.id)) ,
-    j.name + (j.kind === "interactive" ? " *" : ""), j.user,
+    j.name + (j.kind === "interactive" ? " *" : ""), team_of(j),
     el("span", { class: "state-" + j.state }, j.state), `${j.nodes} / ${j.gpus}`,
     when(j.submitted), when(j.started), duration(j), j.retries, j.exit_code === undefined ? "-" : j.exit_code,
     j.reason || ""]);
@@ -233,9 +239,10 @@ function job_info(p, j) {
     (j.overrides || []).length ? "overrides " + j.overrides.join(" ") : "",
     j.sha256 ? `sha256 ${j.sha256}` : ""].filter((s) => s);
   p.summary.replaceChildren(el("h2", {}, `Job ${j.id}: ${j.name}`),
-    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "GPU-seconds"],
-      [[j.user, el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
+    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "preempted", "GPU-seconds"],
+      [[team_of(j), el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
         when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries,
+        j.preemptions ? `${j.preemptions} (last for job ${j.preempted_by})` : "-",
         j.ended ? (j.gpu_seconds || 0).toFixed(0) : "-"]]));
   job_buttons(p, j);
   p.details.replaceChildren(j.reason ? el("p", {}, j.reason) : "",
