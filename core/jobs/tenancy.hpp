@@ -128,9 +128,10 @@ Verdict admit(const Waiting& job, const TeamQuota& quota, Resources use,
 std::vector<Holding> borrowing_jobs(const std::vector<Holding>& holding, const Quotas& quotas);
 
 // The jobs to preempt so that `job` (within its team's quota) can start: jobs of other teams on
-// borrowed capacity, newest first, as few as `fits` (would `job` fit were these jobs and those
-// already stopping gone?) needs. Empty: what is stopping already makes room; nullopt: preempting
-// every borrowing job would not make it fit either.
+// borrowed capacity, taken newest first until `fits` (would `job` fit were these jobs and those
+// already stopping gone?) says yes, then each taken before the last dropped again when `job`
+// fits without it. Empty: what is stopping already makes room; nullopt: preempting every
+// borrowing job would not make it fit either.
 std::optional<std::vector<std::int64_t>> preemption_victims(
     const Waiting& job, const std::vector<Holding>& holding, const Quotas& quotas,
     const std::function<bool(const std::vector<std::int64_t>&)>& fits);
