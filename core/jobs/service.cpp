@@ -838,6 +838,7 @@ struct JobService::State {
         queued[j.id] = std::move(j);
       }
     }
+    mark_borrowing(held, running);
     if (queue.empty()) return;
     const bool teams =
         !o.quotas.file.empty() || std::any_of(o.member_teams.begin(), o.member_teams.end(),
@@ -897,6 +898,28 @@ struct JobService::State {
           j.reason = reason;
           store->update(j);
         }
+      }
+    }
+  }
+
+  // A running submitted job's reason says whether it runs on borrowed capacity now (a team's
+  // older jobs that end bring its newer ones back within its quota).
+  void mark_borrowing(const std::vector<Holding>& held,
+                      std::map<std::int64_t, JobRecord>& running) {
+    std::set<std::int64_t> borrowing;
+    for (const auto& h : borrowing_jobs(held, o.quotas)) borrowing.insert(h.id);
+    for (auto& [id, j] : running) {
+      if (j.kind != "submitted" || j.stop_requested) continue;  // a stopping job says why
+      const std::string reason =
+          borrowing.count(id)
+              ? fmt::format(
+                    "borrowing beyond team {}'s quota: it is preempted when the lending "
+                    "teams need their capacity back",
+                    j.team)
+              : std::string();
+      if (reason != j.reason) {
+        j.reason = reason;
+        store->update(j);
       }
     }
   }
