@@ -62,12 +62,6 @@ std::vector<proto::GroupDemandEntry> demand_of(const JobRecord& j) {
   return demand;
 }
 
-std::string job_list(const std::vector<std::int64_t>& ids) {
-  std::vector<std::string> parts;
-  for (auto id : ids) parts.push_back(std::to_string(id));
-  return fmt::format("job{} {}", ids.size() == 1 ? "" : "s", fmt::join(parts, ", "));
-}
-
 // Lines of `text` that pass the filter. `rank` is "GROUP:N"; `driver` keeps the lines that are
 // not a worker's ("[GROUP:N] ...").
 struct LineFilter {
@@ -237,28 +231,6 @@ struct JobService::State {
     return st;
   }
 
-  // Why a job that needs `need` can never start in team `q` (beyond what the team may hold even
-  // with nothing else running), or nullopt.
-  std::optional<std::string> never_fits(const TeamQuota& q, Resources need,
-                                        bool preemptible) const {
-    auto check = [&](const char* what, const std::optional<int>& limit, int borrow,
-                     int n) -> std::optional<std::string> {
-      if (!limit) return std::nullopt;
-      const int most = *limit + (preemptible ? borrow : 0);
-      if (n <= most) return std::nullopt;
-      return fmt::format(
-          "the job needs {} {}s, and team {} may hold at most {} (a quota of {}{}{}): ask for "
-          "fewer, or have an admin raise the team's {}s or borrow_{}s in {}",
-          n, what, q.name, most, *limit,
-          preemptible ? fmt::format(" and {} to borrow", borrow) : std::string(),
-          !preemptible && borrow > 0 ? "; it asks preemptible = false, so it does not borrow" : "",
-          what == std::string("GPU") ? "gpu" : "cpu", what == std::string("GPU") ? "gpu" : "cpu",
-          o.quotas.file.string());
-    };
-    if (auto why = check("GPU", q.gpus, q.borrow_gpus, need.gpus)) return why;
-    return check("CPU", q.cpus, q.borrow_cpus, need.cpus);
-  }
-
   proto::JobAnswer on_submit(const Caller& who, proto::Submit& s) {
     proto::JobAnswer a;
     const std::string user = who.user.empty() ? s.user : who.user;
@@ -324,7 +296,7 @@ struct JobService::State {
       j.resume_on_retry = !job.checkpoint_dir.empty();
       j.stop_grace_s = job.stop_grace_s;
       j.preemptible = job.preemptible;
-      if (auto why = never_fits(quota, Resources{j.gpus, j.cpus}, j.preemptible))
+      if (auto why = never_fits(quota, Resources{j.gpus, j.cpus}, j.preemptible, o.quotas.file))
         throw ConfigError(*why);
     } catch (const std::exception& e) {
       fs::remove_all(incoming, ec);
@@ -555,13 +527,17 @@ struct JobService::State {
     return j.supervisor_pid > 0 && process_start(j.supervisor_pid) == j.supervisor_start;
   }
 
+  // Adds the GPU-seconds of `j`'s latest start until `until` (a preempted job runs more than once).
+  static void count_span(JobRecord& j, std::int64_t until) {
+    if (j.started)
+      j.gpu_seconds += static_cast<double>(j.gpus) * static_cast<double>(until - j.started);
+  }
+
   void finish(JobRecord& j, const std::string& state, const std::string& reason) {
     j.state = state;
     j.reason = reason;
     j.ended = unix_now();
-    // Every start's span: a job that was preempted ran more than once.
-    if (j.started)
-      j.gpu_seconds += static_cast<double>(j.gpus) * static_cast<double>(j.ended - j.started);
+    count_span(j, j.ended);
     store->update(j);
     cluster.unhold(j.id);
     log(fmt::format("job {} ({}) {}: {}", j.id, j.name, state, reason));
@@ -641,9 +617,7 @@ struct JobService::State {
   // when capacity returns.
   void requeue(JobRecord& j, int code) {
     const auto now = unix_now();
-    // The span so far counts now; `started` is the next start's (a waiting job runs no clock).
-    if (j.started)
-      j.gpu_seconds += static_cast<double>(j.gpus) * static_cast<double>(now - j.started);
+    count_span(j, now);  // `started` is the next start's: a waiting job runs no clock
     j.started = 0;
     ++j.preemptions;
     j.state = "PREEMPTED";
@@ -819,6 +793,7 @@ struct JobService::State {
     std::map<std::int64_t, JobRecord> running;
     std::vector<Holding> held = holding(&running);
     auto use = use_by_team(held);
+    shares.advance(unix_seconds(), use);  // what they held since the last pass
     std::map<std::int64_t, JobRecord> queued;
     std::vector<Waiting> queue;
     for (const char* state : {"QUEUED", "PREEMPTED"}) {
@@ -1046,13 +1021,6 @@ struct JobService::State {
     log(text);
     return text;
   }
-
-  // The teams' shares: what they held since the last tick added, older use decayed.
-  void meter() {
-    std::map<std::string, Resources> running;
-    for (const auto& h : holding()) running[h.team] += h.held;
-    shares.advance(unix_seconds(), running);
-  }
 };
 
 JobService::JobService(ServiceOptions options, ClusterView cluster)
@@ -1169,7 +1137,6 @@ void JobService::tick() {
         s.finish(j, "ENDED", "its run was gone when the head came back");
       }
     }
-    s.meter();
     s.schedule_queue();
     if (Clock::now() - s.swept >= kSweepEvery) {
       s.swept = Clock::now();

@@ -114,17 +114,13 @@ bool within(const std::optional<int>& limit, int extra, int value) {
 
 double ratio(double used, double weight) { return used / weight; }
 
-std::string join_ids(const std::vector<std::int64_t>& ids) {
+}  // namespace
+
+std::string job_list(const std::vector<std::int64_t>& ids) {
   std::vector<std::string> parts;
   for (auto id : ids) parts.push_back(std::to_string(id));
-  return fmt::format("{}", fmt::join(parts, ", "));
+  return fmt::format("job{} {}", ids.size() == 1 ? "" : "s", fmt::join(parts, ", "));
 }
-
-std::string plural(int n, const char* one) {
-  return fmt::format("{} {}{}", n, one, n == 1 ? "" : "s");
-}
-
-}  // namespace
 
 TeamQuota Quotas::of(const std::string& team) const {
   if (auto t = teams.find(team); t != teams.end()) return t->second;
@@ -249,9 +245,23 @@ std::vector<Waiting> queue_order(std::vector<Waiting> queue, const Quotas& quota
   return out;
 }
 
-std::string describe(Resources r) {
-  if (r.gpus == 0) return plural(r.cpus, "CPU");
-  return fmt::format("{}, {}", plural(r.gpus, "GPU"), plural(r.cpus, "CPU"));
+std::optional<std::string> never_fits(const TeamQuota& q, Resources need, bool preemptible,
+                                      const std::filesystem::path& file) {
+  auto check = [&](const char* what, const char* key, const std::optional<int>& limit, int borrow,
+                   int n) -> std::optional<std::string> {
+    if (!limit) return std::nullopt;
+    const int most = *limit + (preemptible ? borrow : 0);
+    if (n <= most) return std::nullopt;
+    return fmt::format(
+        "the job needs {} {}s, and team {} may hold at most {} (a quota of {}{}{}): ask for "
+        "fewer, or have an admin raise the team's {}s or borrow_{}s in {}",
+        n, what, q.name, most, *limit,
+        preemptible ? fmt::format(" and {} to borrow", borrow) : std::string(),
+        !preemptible && borrow > 0 ? "; it asks preemptible = false, so it does not borrow" : "",
+        key, key, file.string());
+  };
+  if (auto why = check("GPU", "gpu", q.gpus, q.borrow_gpus, need.gpus)) return why;
+  return check("CPU", "cpu", q.cpus, q.borrow_cpus, need.cpus);
 }
 
 Verdict admit(const Waiting& job, const TeamQuota& q, Resources use,
@@ -268,9 +278,7 @@ Verdict admit(const Waiting& job, const TeamQuota& q, Resources use,
   const int need = gpus_over ? job.need.gpus : job.need.cpus;
   const int borrow = gpus_over ? q.borrow_gpus : q.borrow_cpus;
   const std::string holders =
-      team_jobs.empty()
-          ? std::string()
-          : fmt::format(" (job{} {})", team_jobs.size() == 1 ? "" : "s", join_ids(team_jobs));
+      team_jobs.empty() ? std::string() : fmt::format(" ({})", job_list(team_jobs));
   const std::string state =
       fmt::format("team {} uses {} of its {} {}s{}", q.name, used, quota, what, holders);
   const bool may_borrow =

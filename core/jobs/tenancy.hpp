@@ -136,7 +136,13 @@ std::optional<std::vector<std::int64_t>> preemption_victims(
     const Waiting& job, const std::vector<Holding>& holding, const Quotas& quotas,
     const std::function<bool(const std::vector<std::int64_t>&)>& fits);
 
-// "4 GPUs, 2 CPUs": what `r` holds, for messages.
-std::string describe(Resources r);
+// "job 12" / "jobs 12, 17": job ids for messages.
+std::string job_list(const std::vector<std::int64_t>& ids);
+
+// Why a job that needs `need` can never start in team `q` (more than its quota and, for a
+// preemptible job, its borrowing limit allow with nothing else running), naming `file` for the
+// fix; nullopt when it can.
+std::optional<std::string> never_fits(const TeamQuota& q, Resources need, bool preemptible,
+                                      const std::filesystem::path& file);
 
 }  // namespace twinkle::core::jobs

@@ -161,7 +161,7 @@ RunCgroup::RunCgroup(const CgroupSupport& support, const std::string& run, int c
 }
 
 RunCgroup::~RunCgroup() {
-  for (const auto& [worker, limit] : workers_) remove_folder(folder(s_.memory, worker));
+  for (const auto& worker : workers_) remove_folder(folder(s_.memory, worker));
   remove_folder(s_.memory / run_);
   if (s_.cpu != s_.memory) remove_folder(s_.cpu / run_);
   workers_.clear();
@@ -175,7 +175,7 @@ void RunCgroup::add(const std::string& worker, pid_t pid, std::uint64_t memory) 
   const fs::path dir = folder(s_.memory, worker);
   if (auto why = make_folder(dir); !why.empty())
     throw Error(fmt::format("cannot create the cgroup {}: {}", dir.string(), why));
-  workers_[worker] = memory;
+  workers_.insert(worker);
   if (memory > 0) {
     const bool v2 = s_.kind == CgroupSupport::Kind::v2;
     const fs::path limit = dir / (v2 ? "memory.max" : "memory.limit_in_bytes");

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <map>
+#include <set>
 #include <string>
 
 // A run's workers in control groups of their own (docs/ARCHITECTURE.md, Isolation): the run's
@@ -55,7 +55,7 @@ class RunCgroup {
 
   CgroupSupport s_;
   std::string run_;
-  std::map<std::string, std::uint64_t> workers_;  // name -> memory limit (add()'s thread only)
+  std::set<std::string> workers_;  // their folders (add()'s thread only)
 };
 
 }  // namespace twinkle::core
