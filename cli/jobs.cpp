@@ -687,6 +687,7 @@ void setup_jobs(CLI::App& app, Action& action) {
   sup->add_option("--log-cap", sv->log_cap);
   sup->add_option("--stop-grace", sv->stop_grace_s);
   sup->add_flag("--resume-on-retry", sv->resume_on_retry);
+  sup->add_option("--user", sv->user, "The Unix account the driver runs as (the head's --run-as)");
   sup->add_option("command", sv->argv)->required();
   sup->callback([sv, &action] { action = [sv] { return core::jobs::supervise(*sv); }; });
 }

@@ -62,6 +62,7 @@ struct NodeStartOptions {
   std::string tls_cert, tls_key;
   std::vector<std::string> dashboard_names;
   std::string quotas;  // the teams' quotas file
+  std::string run_as;  // member=account,... or auto
 };
 
 // --dashboard [ADDR:]PORT: ADDR defaults to 127.0.0.1; any other address only over TLS.
@@ -173,6 +174,12 @@ int run_node_start(NodeStartOptions o) {
   }
   if (!o.head && o.no_agent) throw ConfigError("node start: --no-agent goes with --head");
   if (!o.head && !o.quotas.empty()) throw ConfigError("node start: --quotas goes with --head");
+  const core::RunAs run_as = core::RunAs::parse(o.run_as);
+  if (run_as.enabled() && geteuid() != 0) {
+    throw ConfigError(
+        "--run-as: this node must run as root to start jobs as other accounts; start it as root, "
+        "or without --run-as (then every job runs as this account)");
+  }
   // Stop signals go to one waiting thread; every other thread blocks them.
   sigset_t set;
   sigemptyset(&set);
@@ -219,6 +226,13 @@ int run_node_start(NodeStartOptions o) {
       ho.keep_jobs = o.keep_jobs;
       ho.job_log_cap = static_cast<std::uint64_t>(o.job_log_mb) << 20;
       ho.exe = core::twinkle_binary();
+      ho.run_as = run_as;
+      if (run_as.enabled() && !ho.security.socket.secure()) {
+        throw ConfigError(
+            "--run-as needs a cluster with keys: without them the head cannot know who a driver "
+            "is, and anyone could claim to be any member; give the head a key and an allow-list "
+            "(twinkle keygen)");
+      }
       if (!o.quotas.empty()) ho.quotas_file = std::filesystem::absolute(o.quotas);
       if (o.dashboard.empty() &&
           (!o.tls_cert.empty() || !o.tls_key.empty() || !o.dashboard_names.empty()))
@@ -282,6 +296,7 @@ int run_node_start(NodeStartOptions o) {
       ao.cache_dir = o.cache_dir.empty() ? core::cluster::twinkle_home() / "plugins"
                                          : std::filesystem::path(o.cache_dir);
       ao.exe = core::twinkle_binary();
+      ao.run_as = run_as;
       ao.log = [](const std::string& l) { log_line("agent", l); };
       agent = std::make_unique<core::cluster::Agent>(std::move(ao));
     }
@@ -451,6 +466,10 @@ void setup_node(CLI::App& app, Action& action) {
   start->add_option("--quotas", o->quotas,
                     "With --head: the teams' quotas, borrowing limits and fair-share weights "
                     "(TOML, twinkle-quotas(1)); read again on SIGHUP and `twinkle quotas reload`");
+  start->add_option("--run-as", o->run_as,
+                    "As root: run each member's workers (and, on the head, its submitted jobs' "
+                    "drivers) as a Unix account: alice=alice,bob=tw-bob, or auto (the account of "
+                    "the member's name); needs keys");
   start->add_flag("--daemon", o->daemon, "Run in the background (see --pid-file, --log-file)");
   start->add_option("--pid-file", o->pid_file, "With --daemon (default ~/.twinkle/node.pid)");
   start->add_option("--log-file", o->log_file, "With --daemon (default ~/.twinkle/node.log)");

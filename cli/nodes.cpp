@@ -58,6 +58,8 @@ int run_cluster_nodes(const NodesOptions& o, const std::string& address) {
                n["heartbeat_age_s"].as<double>(), labels.empty() ? "-" : labels);
     if (const auto iso = n["isolation"].as<std::string>(); !iso.empty())
       fmt::print("  isolation: {}\n", iso);
+    if (const auto users = n["users"].as<std::string>(); !users.empty())
+      fmt::print("  users: {}\n", users);
     for (const auto& g : n["gpus"]) {
       const std::string run = g["run"].as<std::string>();
       const auto mem = g["memory"].as<std::int64_t>();

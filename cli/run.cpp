@@ -99,6 +99,7 @@ void setup_worker(CLI::App& app, Action& action) {
   sub->add_option("--endpoint", o->endpoint, "The driver's control socket")->required();
   sub->add_option("--plugin", o->plugin, "The plugin to load")->required();
   sub->add_option("--run-dir", o->run_dir, "The run's private directory");
+  sub->add_option("--user", o->user, "The Unix account to run as (a node's --run-as)");
   sub->callback(
       [o, &action] { action = [o] { return core::run_worker(*o) ? kExitOk : kExitJobFailed; }; });
 }

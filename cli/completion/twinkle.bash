@@ -32,8 +32,8 @@ _twinkle_flags() {
     "node start")
       echo "--head --port --bind --no-agent --address --gpus --cpus --labels --node-id --node-ip" \
         "--cache-dir --state-dir --keep-jobs --job-log-mb --dashboard --tls-cert --tls-key" \
-        "--dashboard-name --quotas --key --authorized-keys --head-key --insecure --daemon" \
-        "--pid-file --log-file --help"
+        "--dashboard-name --quotas --run-as --key --authorized-keys --head-key --insecure" \
+        "--daemon --pid-file --log-file --help"
       ;;
     "node stop") echo "--pid-file --timeout --help" ;;
     node) echo "--help" ;;

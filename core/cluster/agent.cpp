@@ -1,18 +1,22 @@
 #include "core/cluster/agent.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sodium.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/cluster/head_link.hpp"
 #include "core/job/digest.hpp"
@@ -33,6 +37,7 @@ namespace {
 // One run's workers on this node.
 struct Job {
   std::string run, job, owner;
+  std::string user;  // the member it runs for (the head's word)
   std::int64_t since = 0;
   std::vector<int> gpus;
   int cpus = 0;
@@ -72,6 +77,7 @@ struct Agent::State {
   NodeResources resources;
   GpuMeter meter;         // the GPUs' use for each heartbeat, where NVML is there
   CgroupSupport cgroups;  // how this node keeps runs apart (docs/ARCHITECTURE.md, Isolation)
+  std::string users;      // how it keeps users apart (describe_users)
   std::vector<int> gpu_indices;
   std::unique_ptr<HeadLink> link;
   std::mutex mu;  // guards jobs
@@ -109,11 +115,12 @@ struct Agent::State {
     }
     r.labels = o.labels;
     r.isolation = cgroups.describe();
+    r.users = users;
     std::lock_guard lock(mu);
     for (const auto& [run, j] : jobs) {
       if (j->done) continue;
       r.jobs.push_back(
-          proto::NodeJob{run, j->job, j->owner, j->since, j->gpus, j->cpus, j->memory});
+          proto::NodeJob{run, j->job, j->owner, j->user, j->since, j->gpus, j->cpus, j->memory});
     }
     return r;
   }
@@ -130,14 +137,65 @@ struct Agent::State {
 
   std::filesystem::path cached(const std::string& sha) const { return o.cache_dir / (sha + ".so"); }
 
+  // The copy of plugin `sha` that `a` may read, and nobody else: cache_dir/accounts/ACCOUNT (the
+  // account's, mode 0700)/SHA.so, copied from the cache when it is not there. Throws Error.
+  std::filesystem::path account_copy(const Account& a, const std::string& sha) {
+    namespace fs = std::filesystem;
+    const fs::path accounts = o.cache_dir / "accounts";
+    const fs::path dir = accounts / a.name;
+    const fs::path copy = dir / (sha + ".so");
+    auto sys = [](bool ok, const std::string& what) {
+      if (!ok) throw Error(fmt::format("{}: {}", what, std::strerror(errno)));
+    };
+    if (::mkdir(accounts.c_str(), 0711) != 0 && errno != EEXIST)
+      sys(false, "cannot make " + accounts.string());
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+      sys(false, "cannot make " + dir.string());
+    struct stat st {};
+    sys(::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+        dir.string() + " is not a folder of the plugin cache");
+    sys(::lchown(dir.c_str(), a.uid, a.gid) == 0 && ::chmod(dir.c_str(), 0700) == 0,
+        "cannot give " + dir.string() + " to " + a.name);
+    if (::lstat(copy.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == a.uid) return copy;
+    ::unlink(copy.c_str());
+    Fd from(::open(cached(sha).c_str(), O_RDONLY | O_CLOEXEC));
+    sys(bool(from), "cannot read " + cached(sha).string());
+    const fs::path tmp = dir / fmt::format(".{}.{}.tmp", sha, getpid());
+    ::unlink(tmp.c_str());
+    Fd to(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0500));
+    sys(bool(to), "cannot write " + tmp.string());
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(from.get(), buf, sizeof buf);
+      if (n == 0) break;
+      sys(n > 0 && ::write(to.get(), buf, static_cast<std::size_t>(n)) == n,
+          "cannot copy the plugin to " + tmp.string());
+    }
+    sys(::fchown(to.get(), a.uid, a.gid) == 0, "cannot give " + tmp.string() + " to " + a.name);
+    to.reset();
+    sys(::rename(tmp.c_str(), copy.c_str()) == 0, "cannot store " + copy.string());
+    return copy;
+  }
+
   void on_launch(proto::Launch& m) {
     const std::string run = m.run;
     std::lock_guard lock(mu);
-    if (jobs.count(run)) return fail_launch(run, "this node already runs workers of that run");
+    if (auto it = jobs.find(run); it != jobs.end()) {
+      Job& j = *it->second;
+      // A group's restart: its workers' replacements join the run's others.
+      if (!m.restart || !j.spawner || j.stopper.joinable() || j.done)
+        return fail_launch(run, "this node already runs workers of that run");
+      if (m.user != j.user) return fail_launch(run, "a restart of the run for another member");
+      j.launch = std::move(m);
+      return spawn(j);
+    }
+    if (m.restart)
+      return fail_launch(run, "this node runs no workers of that run to restart any of");
     auto j = std::make_unique<Job>();
     j->run = run;
     j->job = m.job;
     j->owner = m.owner;
+    j->user = m.user;
     j->since = unix_now();
     j->gpus = m.gpus;
     j->cpus = m.cpus;
@@ -188,9 +246,14 @@ struct Agent::State {
   void spawn(Job& j) {
     const proto::Launch& l = j.launch;
     const std::string sha = l.sha256;
-    const auto plugin = cached(sha);
+    auto plugin = cached(sha);
     // Verified before any worker loads it: a cache file changed on disk is not run.
+    std::optional<Account> account;
     try {
+      if (o.run_as.enabled()) {
+        account = o.run_as.account_for(l.user);
+        plugin = account_copy(*account, sha);
+      }
       if (sha256_file(plugin) != sha) {
         std::error_code ec;
         std::filesystem::remove(plugin, ec);
@@ -208,7 +271,9 @@ struct Agent::State {
     for (const auto& w : l.workers) limits[w.name] = static_cast<std::uint64_t>(w.memory);
     const bool limited = std::any_of(l.workers.begin(), l.workers.end(),
                                      [](const proto::LaunchWorker& w) { return w.memory > 0; });
-    if (cgroups.kind != CgroupSupport::Kind::none) {
+    if (j.spawner) {
+      // A restart: the run's cgroup and spawner are there.
+    } else if (cgroups.kind != CgroupSupport::Kind::none) {
       try {
         j.cgroup = std::make_shared<RunCgroup>(cgroups, run + "." + o.node_id, j.cpus);
       } catch (const Error& e) {
@@ -225,18 +290,19 @@ struct Agent::State {
       post(proto::Output{run, name, is_stderr, line});
     };
     try {
-      j.spawner = std::make_unique<Spawner>(
-          so, [this, run, cgroup = j.cgroup, limits](const ProcessExit& e) {
-            std::string how = e.describe();
-            // Killed by the kernel for its cgroup's memory limit: said as that, not as a signal.
-            const std::uint64_t limit = limits.count(e.name) ? limits.at(e.name) : 0;
-            if (cgroup && limit > 0 && e.signal == SIGKILL && cgroup->oom_killed(e.name))
-              how = fmt::format("exceeded its memory limit of {} (OOM-killed)", format_size(limit));
-            log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, how));
-            post(proto::WorkerExit{
-                run, o.node_id, e.name, static_cast<int>(e.pid), e.exit_code, e.signal, how,
-                std::vector<std::string>(e.last_stderr.begin(), e.last_stderr.end())});
-          });
+      if (!j.spawner)
+        j.spawner = std::make_unique<Spawner>(so, [this, run, cgroup = j.cgroup,
+                                                   limits](const ProcessExit& e) {
+          std::string how = e.describe();
+          // Killed by the kernel for its cgroup's memory limit: said as that, not as a signal.
+          const std::uint64_t limit = limits.count(e.name) ? limits.at(e.name) : 0;
+          if (cgroup && limit > 0 && e.signal == SIGKILL && cgroup->oom_killed(e.name))
+            how = fmt::format("exceeded its memory limit of {} (OOM-killed)", format_size(limit));
+          log(fmt::format("run {}: worker {} (pid {}) {}", run, e.name, e.pid, how));
+          post(proto::WorkerExit{
+              run, o.node_id, e.name, static_cast<int>(e.pid), e.exit_code, e.signal, how,
+              std::vector<std::string>(e.last_stderr.begin(), e.last_stderr.end())});
+        });
       // The agent's environment, with the driver's variables for the worker on top.
       std::vector<std::string> base;
       for (char** e = environ; *e; ++e) base.emplace_back(*e);
@@ -263,6 +329,7 @@ struct Agent::State {
         spec.name = w.name;
         spec.argv = {o.exe.string(), "worker",   "--endpoint",
                      l.endpoint,     "--plugin", plugin.string()};
+        if (account) spec.argv.insert(spec.argv.end(), {"--user", account->name});
         spec.env = std::move(env);
         const pid_t pid = j.spawner->spawn(std::move(spec));
         if (j.cgroup) {
@@ -280,10 +347,20 @@ struct Agent::State {
       if (j.spawner) j.spawner->kill_and_reap();
       return fail_launch(j.run, e.what());
     }
-    log(fmt::format("run {} (job {}, owner {}): started {} worker(s)", j.run, j.job, j.owner,
-                    l.workers.size()));
+    log(fmt::format("run {} (job {}, owner {}): {} {} worker(s){}", j.run, j.job, j.owner,
+                    l.restart ? "restarted" : "started", l.workers.size(),
+                    account ? " as " + account->name : ""));
     j.launch = proto::Launch{};
     post(proto::Launched{j.run, o.node_id, std::nullopt});
+  }
+
+  // Kills some of a run's workers now, for their group's restart: their exits say when.
+  void kill_workers(const std::string& run, const std::vector<std::string>& names) {
+    std::lock_guard lock(mu);
+    auto it = jobs.find(run);
+    if (it == jobs.end() || !it->second->spawner) return;
+    for (const auto& name : names) it->second->spawner->signal(name, SIGKILL);
+    log(fmt::format("run {}: killed {} for their group's restart", run, fmt::join(names, ", ")));
   }
 
   // Stops a run's workers on a thread of their own (the heartbeats go on meanwhile).
@@ -331,6 +408,7 @@ struct Agent::State {
     } else if (auto* plugin = m.get<proto::PluginBytes>()) {
       on_plugin(*plugin);
     } else if (auto* stop = m.get<proto::StopJob>()) {
+      if (!stop->workers.empty()) return kill_workers(stop->run, stop->workers);
       stop_job(stop->run, std::chrono::milliseconds(stop->grace_ms), "its driver asked");
     } else if (auto* kill = m.get<proto::KillJob>()) {
       stop_job(kill->run, std::chrono::milliseconds(0), "the head says its driver is gone");
@@ -363,8 +441,30 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
     s.resources.cpus = std::atoi(slurm);  // what the Slurm allocation holds on this node
   }
   s.host = s.resources.hostname;
+  if (s.o.run_as.enabled()) {
+    if (geteuid() != 0) {
+      throw ConfigError(
+          "--run-as: the agent must run as root to start workers as other accounts; start it as "
+          "root, or without --run-as (then every worker runs as this account)");
+    }
+    if (!s.o.security.secure()) {
+      throw ConfigError(
+          "--run-as needs a cluster with keys: without them the head cannot know who a driver "
+          "is, and anyone could claim to be any member; give the head a key and an allow-list "
+          "(twinkle keygen)");
+    }
+    std::filesystem::create_directories(s.o.cache_dir);
+    if (auto closed = closed_to_others(s.o.cache_dir.parent_path())) {
+      throw ConfigError(fmt::format(
+          "--run-as: the accounts cannot reach the plugin cache {}: {} is closed to others; give "
+          "--cache-dir a folder they can pass through (e.g. /var/cache/twinkle)",
+          s.o.cache_dir.string(), closed->string()));
+    }
+    ::chmod(s.o.cache_dir.c_str(), 0711);
+  }
+  s.users = describe_users(s.o.run_as);
   s.cgroups = probe_cgroups();
-  s.log(fmt::format("isolation between jobs: {}", s.cgroups.describe()));
+  s.log(fmt::format("isolation between jobs: {}; users {}", s.cgroups.describe(), s.users));
   // Only GPUs NVML found are sampled (declared ones it does not know).
   if (s.resources.gpu_source == GpuSource::nvml)
     for (const auto& g : s.resources.gpus) s.gpu_indices.push_back(g.index);

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "core/runtime/run_as.hpp"
 #include "transports/zmq/auth.hpp"
 
 // A node agent (docs/ARCHITECTURE.md, Remote mode): registers this machine with the head,
@@ -27,13 +28,18 @@ struct AgentOptions {
                                     // source address towards the head)
   std::filesystem::path cache_dir;  // plugins by sha256
   std::filesystem::path exe;        // the twinkle binary that runs workers
+  // Which account each member's workers run as (docs/ARCHITECTURE.md, Isolation); it needs root
+  // and a cluster with keys. Each account gets its own copy of its plugins in
+  // cache_dir/accounts/ACCOUNT. Not enabled: every worker runs as this process.
+  RunAs run_as;
   std::function<void(const std::string&)> log;
 };
 
 class Agent {
  public:
   // Connects to the head and registers; throws ConfigError / TransportError when the head
-  // refuses or does not answer.
+  // refuses or does not answer, and ConfigError when --run-as cannot be honoured (not root, no
+  // keys, a cache folder the accounts cannot reach).
   explicit Agent(AgentOptions options);
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;

@@ -63,6 +63,7 @@ struct Node {
   std::int64_t registered = 0;                // unix seconds
   std::map<int, proto::GpuUseEntry> gpu_use;  // by index, from the last heartbeat (NVML's)
   std::string isolation;                      // as it registered
+  std::string users;                          // as it registered
 };
 
 struct Bundle {
@@ -74,6 +75,8 @@ struct Bundle {
 
 struct Run {
   std::string id, job, owner, driver;  // driver: its identity at the head ("" until known)
+  // The member it runs for (its key's name; a submitted job's user): what its launches carry.
+  std::string user;
   std::vector<Bundle> bundles;
   std::int64_t since = 0;
   Clock::time_point last_lease = Clock::now();
@@ -172,7 +175,10 @@ struct Head::State {
     return t == options.security.teams.end() ? "default" : t->second;
   }
 
-  jobs::Caller caller(const std::string& user, const std::string& from) const {
+  // A submitted job's driver speaks for the job's user.
+  jobs::Caller caller(const std::string& key_name, const std::string& from) const {
+    std::string user = key_name;
+    if (auto job = jobs::driver_job(key_name); job && jobs) user = jobs->user_of(*job).value_or("");
     return jobs::Caller{user, options.security.admins.count(user) > 0, from, team_of(user)};
   }
 
@@ -282,6 +288,7 @@ struct Head::State {
     n.gpus = std::move(b.gpus);
     n.labels = std::move(b.labels);
     n.isolation = std::move(b.isolation);
+    n.users = std::move(b.users);
     n.alive = true;
     n.last_seen = Clock::now();
     n.registered = unix_now();
@@ -296,6 +303,7 @@ struct Head::State {
         nr.id = j.run;
         nr.job = j.job;
         nr.owner = j.owner;
+        nr.user = j.user;
         nr.since = j.since;
         nr.adopted = true;
         nr.bundles.push_back(std::move(bundle));
@@ -324,10 +332,11 @@ struct Head::State {
                   const proto::Reserve& b) {
     const std::string& run = b.run;
     const std::vector<GroupDemand> demands = to_demands(b.groups);
-    // A submitted job's driver (it has the head's own key, or the cluster has none) takes over
-    // what was held for it; a job id from anyone else is not believed.
-    const std::optional<std::int64_t> job_id =
-        (user.empty() || user == "head") && !b.dry_run ? b.job_id : std::nullopt;
+    // A submitted job's driver (it has its job's key, or the head's own, or the cluster has
+    // none) takes over what was held for it; a job id from anyone else is not believed.
+    const bool job_driver =
+        user.empty() || user == "head" || (b.job_id && user == jobs::driver_name(*b.job_id));
+    const std::optional<std::int64_t> job_id = job_driver && !b.dry_run ? b.job_id : std::nullopt;
     if (job_id) runs.erase(hold_id(*job_id));
     proto::Reservation r;
     const auto slots = fit(run, demands, r);
@@ -337,6 +346,11 @@ struct Head::State {
       x.job = b.job;
       x.owner = b.owner;
       x.driver = from;
+      // Without keys the member is the one the driver names (its OS user, before "@host").
+      x.user = user.empty() ? b.owner.substr(0, b.owner.find('@')) : user;
+      if (job_id && jobs) {
+        if (auto u = jobs->user_of(*job_id)) x.user = *u;
+      }
       x.since = unix_now();
       x.last_lease = Clock::now();
       x.bundles = bundles_of(*slots, demands);
@@ -356,10 +370,8 @@ struct Head::State {
             ++cpus;
           }
         }
-        // Without keys the user is the one the driver names (its OS user, before "@host").
-        jobs->reserved(run, job_id, b.job,
-                       user.empty() ? b.owner.substr(0, b.owner.find('@')) : user, team_of(user),
-                       places, gpus, cpus, static_cast<int>(x.bundles.size()));
+        jobs->reserved(run, job_id, b.job, x.user, team_of(x.user), places, gpus, cpus,
+                       static_cast<int>(x.bundles.size()));
       }
     }
     send(from, Message{request, std::move(r)});
@@ -457,6 +469,7 @@ struct Head::State {
       e.heartbeat_age_s = seconds_since(n.last_seen);
       e.registered = n.registered;
       e.isolation = n.isolation;
+      e.users = n.users;
       info.nodes.push_back(std::move(e));
     }
     for (const auto& [rid, r] : runs) {
@@ -477,6 +490,32 @@ struct Head::State {
       return;
     }
     send(n->second.identity, m);
+  }
+
+  // Whether a message about run `r` from connection `from` (its key named `user`) is its
+  // driver's: the connection that reserved it or leased it last, or, once the driver reconnects
+  // (a restarted head), the same member. Without keys anyone may speak for any run.
+  bool speaks_for(const Run& r, const std::string& from, const std::string& user) const {
+    if (r.driver == from || user.empty()) return true;
+    std::string member = user;
+    if (auto job = jobs::driver_job(user); job && jobs) member = jobs->user_of(*job).value_or("");
+    return !member.empty() && member == r.user;
+  }
+
+  // A driver's launch goes on to its node with the member the run is for, which the node's
+  // --run-as maps to an account: only the run's own driver may launch its workers.
+  void on_launch(const std::string& from, const std::string& user, const Message& m,
+                 proto::Launch& b) {
+    auto r = runs.find(b.run);
+    if (r == runs.end() || !speaks_for(r->second, from, user)) {
+      send(from, Message{0, proto::Launched{b.run, b.node,
+                                            fmt::format("the head holds no reservation of run {} "
+                                                        "for this driver; reserve first",
+                                                        b.run)}});
+      return;
+    }
+    b.user = r->second.user;
+    to_node(from, b.node, m);
   }
 
   // Sends `m` on to the driver of `run`.
@@ -593,9 +632,9 @@ struct Head::State {
       so.log_cap = options.job_log_cap;
       so.max_upload = options.max_upload;
       so.head_address = address;
-      so.key_file = options.security.key_file;
       if (options.security.socket.secure())
         so.head_public = options.security.socket.keys->public_key;
+      so.run_as = options.run_as;
       so.exe = options.exe;
       so.log = options.log;
       jobs::ClusterView view;
@@ -613,6 +652,13 @@ struct Head::State {
                                  const std::vector<std::int64_t>& jobs,
                                  const std::vector<std::string>& gone) {
         return fits_without(g, jobs, gone);
+      };
+      // Each submitted job's driver has a key of its own, admitted while the job runs.
+      view.admit_driver = [this](std::int64_t job, const std::string& key) {
+        if (gate) gate->allow(key, jobs::driver_name(job));
+      };
+      view.revoke_driver = [this](const std::string& key) {
+        if (gate) gate->revoke(key);
       };
       so.quotas =
           options.quotas_file.empty() ? jobs::no_quotas() : jobs::load_quotas(options.quotas_file);
@@ -743,16 +789,24 @@ struct Head::State {
             on_reserve(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Lease>) {
             auto r = runs.find(b.run);
-            if (r != runs.end()) {
+            if (r != runs.end() && speaks_for(r->second, from, user)) {
               r->second.last_lease = Clock::now();
               r->second.driver = from;
             }
           } else if constexpr (std::is_same_v<T, proto::Release>) {
-            on_release(b.run, b.outcome);
-          } else if constexpr (std::is_same_v<T, proto::Launch> ||
-                               std::is_same_v<T, proto::PluginBytes> ||
+            auto r = runs.find(b.run);
+            if (r != runs.end() && speaks_for(r->second, from, user)) on_release(b.run, b.outcome);
+          } else if constexpr (std::is_same_v<T, proto::Launch>) {
+            on_launch(from, user, m, b);
+          } else if constexpr (std::is_same_v<T, proto::PluginBytes> ||
                                std::is_same_v<T, proto::StopJob>) {
-            to_node(from, b.node, m);
+            auto r = runs.find(b.run);
+            if (r != runs.end() && speaks_for(r->second, from, user)) {
+              to_node(from, b.node, m);
+            } else if constexpr (std::is_same_v<T, proto::StopJob>) {
+              // Released already (its agents were told to stop it), or not this driver's.
+              send(from, Message{0, proto::Stopped{b.run, b.node, {}}});
+            }
           } else if constexpr (std::is_same_v<T, proto::Launched> ||
                                std::is_same_v<T, proto::NeedPlugin> ||
                                std::is_same_v<T, proto::Stopped> ||

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/cluster/security.hpp"
+#include "core/runtime/run_as.hpp"
 
 // The head of a cluster (docs/ARCHITECTURE.md, Remote mode): the node table and the reservations.
 // Agents register and heartbeat; drivers reserve, renew their lease, and talk to the agents of
@@ -29,6 +30,9 @@ struct HeadOptions {
   std::uint64_t job_log_cap = 64ull << 20;
   std::uint64_t max_upload = 5ull << 28;  // bytes of one archive (a client's 1 GiB and headers)
   std::filesystem::path exe;              // the twinkle binary submitted jobs' drivers run
+  // Which account each member's submitted jobs run as (--run-as; docs/ARCHITECTURE.md,
+  // Isolation): their folders are given to it, their supervisors and drivers become it.
+  RunAs run_as;
   // The teams' quotas (docs/ARCHITECTURE.md, Teams and quotas): read at start (a ConfigError
   // with file:line:col when malformed) and again on reload_quotas(); "" for none.
   std::filesystem::path quotas_file;

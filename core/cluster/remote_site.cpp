@@ -172,6 +172,7 @@ class ClusterLauncher : public Launcher {
       }
     }
     for (const auto& n : placement.nodes) nodes_.push_back(n.id);
+    exited_.assign(names_.size(), false);
     sha_ = sha256_file(launch_.plugin);
     if (launch_.log_dir) {
       // Every worker's file from the start, as in local mode: an unwritable one stops the run
@@ -188,40 +189,61 @@ class ClusterLauncher : public Launcher {
   }
 
   void start(const std::vector<WorkerLaunch>& workers) override {
-    for (const auto& node : nodes_) {
-      proto::Launch l;
-      l.run = site_.run();
-      l.node = node;
-      l.job = job_;
-      l.owner = owner_name();
-      l.sha256 = sha_;
-      l.endpoint = launch_.endpoint;
-      l.gpus = gpus_[node];
-      for (std::size_t i = 0; i < workers.size(); ++i) {
-        if (peer_node_[i] != node) continue;
-        l.workers.push_back(proto::LaunchWorker{workers[i].name, workers[i].env,
-                                                static_cast<std::int64_t>(workers[i].memory)});
-        ++l.cpus;
+    launches_ = workers;
+    std::vector<std::size_t> all(workers.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    launch(all, false);
+  }
+
+  void set_restartable(std::vector<bool> by_peer) override { restartable_ = std::move(by_peer); }
+
+  // A group's restart on the nodes its workers ran on: the agents kill those that still run
+  // (their exits are awaited, not reported), then start replacements, which connect to the
+  // driver's channel under the same names. A node that is DEAD cannot take its workers back.
+  void restart(const std::vector<std::size_t>& peers,
+               const std::vector<std::string>& env) override {
+    std::map<std::string, std::vector<std::string>> running;  // node -> names to kill
+    {
+      std::lock_guard lock(mu_);
+      for (std::size_t p : peers) {
+        if (dead_.count(peer_node_[p])) {
+          throw Error(fmt::format(
+              "worker {} cannot be restarted: its node {} is DEAD, and remote restarts replace "
+              "workers on their own node",
+              names_[p], peer_node_[p]));
+        }
+        if (!exited_[p]) {
+          replacing_.insert(p);
+          running[peer_node_[p]].push_back(names_[p]);
+        }
       }
-      if (launch_.worker.secure()) {
-        l.keys = proto::RunKeys{launch_.worker.keys->public_key, launch_.worker.keys->secret_key,
-                                launch_.worker.server_key};
-      }
-      site_.link().post(Message{0, std::move(l)});
     }
-    std::unique_lock lock(mu_);
-    const bool all = cv_.wait_for(lock, kLaunchTimeout, [this] {
-      return !launch_error_.empty() || launched_.size() + dead_.size() >= nodes_.size();
-    });
-    if (!launch_error_.empty()) throw Error(launch_error_);
-    if (!all) {
-      std::vector<std::string> missing;
-      for (const auto& n : nodes_) {
-        if (!launched_.count(n)) missing.push_back(n);
-      }
-      throw Error(fmt::format("node(s) {} did not start their workers within {} s",
-                              fmt::join(missing, ", "), kLaunchTimeout.count()));
+    for (const auto& [node, names] : running) {
+      proto::StopJob k{site_.run(), node, 0, {}};
+      k.workers = names;
+      site_.link().post(Message{0, std::move(k)});
     }
+    {
+      std::unique_lock lock(mu_);
+      if (!cv_.wait_for(lock, kLaunchTimeout, [this] { return replacing_.empty(); })) {
+        std::vector<std::string> left;
+        for (std::size_t p : replacing_) left.push_back(names_[p]);
+        throw Error(
+            fmt::format("worker(s) {} did not exit within {} s of being killed for "
+                        "their group's restart",
+                        fmt::join(left, ", "), kLaunchTimeout.count()));
+      }
+    }
+    for (std::size_t p : peers) {
+      channel_.forget_lost(p);
+      auto& e = launches_.at(p).env;
+      for (const auto& kv : env) {
+        const std::string key = kv.substr(0, kv.find('=') + 1);
+        std::erase_if(e, [&](const std::string& x) { return x.starts_with(key); });
+        e.push_back(kv);
+      }
+    }
+    launch(peers, true);
   }
 
   void expect_exits() override { expecting_ = true; }
@@ -275,9 +297,66 @@ class ClusterLauncher : public Launcher {
   }
 
  private:
+  // Asks the agents of `peers` to start them (`restart`: into the run they run already) and
+  // waits until each of those nodes has.
+  void launch(const std::vector<std::size_t>& peers, bool restart) {
+    std::set<std::string> targets;
+    {
+      std::lock_guard lock(mu_);
+      for (std::size_t p : peers) {
+        targets.insert(peer_node_[p]);
+        exited_[p] = false;
+      }
+      for (const auto& n : targets) launched_.erase(n);
+    }
+    for (const auto& node : targets) {
+      proto::Launch l;
+      l.run = site_.run();
+      l.node = node;
+      l.job = job_;
+      l.owner = owner_name();
+      l.sha256 = sha_;
+      l.endpoint = launch_.endpoint;
+      l.gpus = gpus_[node];
+      l.restart = restart;
+      for (std::size_t i = 0; i < names_.size(); ++i) {
+        if (peer_node_[i] == node) ++l.cpus;  // what the run holds there, all of it
+      }
+      for (std::size_t p : peers) {
+        if (peer_node_[p] != node) continue;
+        const auto& w = launches_.at(p);
+        l.workers.push_back(
+            proto::LaunchWorker{w.name, w.env, static_cast<std::int64_t>(w.memory)});
+      }
+      if (launch_.worker.secure()) {
+        l.keys = proto::RunKeys{launch_.worker.keys->public_key, launch_.worker.keys->secret_key,
+                                launch_.worker.server_key};
+      }
+      site_.link().post(Message{0, std::move(l)});
+    }
+    std::unique_lock lock(mu_);
+    auto done = [&] {
+      return std::all_of(targets.begin(), targets.end(), [&](const std::string& n) {
+        return launched_.count(n) > 0 || dead_.count(n) > 0;
+      });
+    };
+    const bool all =
+        cv_.wait_for(lock, kLaunchTimeout, [&] { return !launch_error_.empty() || done(); });
+    if (!launch_error_.empty()) throw Error(launch_error_);
+    if (!all) {
+      std::vector<std::string> missing;
+      for (const auto& n : targets) {
+        if (!launched_.count(n)) missing.push_back(n);
+      }
+      throw Error(fmt::format("node(s) {} did not {} their workers within {} s",
+                              fmt::join(missing, ", "), restart ? "restart" : "start",
+                              kLaunchTimeout.count()));
+    }
+  }
+
   void post_stop(const std::string& node, std::chrono::milliseconds grace) const {
-    site_.link().post(
-        Message{0, proto::StopJob{site_.run(), node, static_cast<std::int64_t>(grace.count())}});
+    site_.link().post(Message{
+        0, proto::StopJob{site_.run(), node, static_cast<std::int64_t>(grace.count()), {}}});
   }
 
   void send_plugin(const std::string& node) {
@@ -308,8 +387,31 @@ class ClusterLauncher : public Launcher {
   }
 
   void worker_exit(const proto::WorkerExit& b) {
-    if (expecting_ || failed_.exchange(true)) return;
+    const std::size_t peer = peer_of(b.name);
+    if (peer < names_.size()) {
+      std::lock_guard lock(mu_);
+      exited_[peer] = true;
+      // Killed for its group's restart: awaited, not a loss.
+      if (replacing_.erase(peer)) {
+        cv_.notify_all();
+        return;
+      }
+    }
+    if (expecting_) return;
     std::string reason = fmt::format("{} on node {}", b.text, b.node);
+    if (peer < restartable_.size() && restartable_[peer]) {
+      // Its group may restart: the driver decides; the others go on meanwhile.
+      std::fprintf(stderr, "twinkle: worker %s (node %s, pid %d) %s\n", b.name.c_str(),
+                   b.node.c_str(), b.pid, b.text.c_str());
+      std::fflush(stderr);
+      if (!b.stderr_tail.empty()) {
+        reason += "; its last stderr lines:";
+        for (const auto& l : b.stderr_tail) reason += "\n    | " + l;
+      }
+      channel_.lost(peer, std::move(reason));
+      return;
+    }
+    if (failed_.exchange(true)) return;
     std::fprintf(stderr, "twinkle: worker %s (node %s, pid %d) %s; stopping the other workers\n",
                  b.name.c_str(), b.node.c_str(), b.pid, b.text.c_str());
     std::fflush(stderr);
@@ -318,7 +420,7 @@ class ClusterLauncher : public Launcher {
       reason += "; its last stderr lines:";
       for (const auto& l : b.stderr_tail) reason += "\n    | " + l;
     }
-    channel_.lost(peer_of(b.name), std::move(reason));
+    channel_.lost(peer, std::move(reason));
   }
 
   void node_dead(const proto::NodeDead& b) {
@@ -352,6 +454,10 @@ class ClusterLauncher : public Launcher {
   transport::CallChannel& channel_;
   std::vector<std::string> names_;      // by peer
   std::vector<std::string> peer_node_;  // by peer: its node id
+  std::vector<WorkerLaunch> launches_;  // by peer: as start() got them, with restarts' variables
+  std::vector<bool> restartable_;       // by peer: its group restarts (set_restartable)
+  std::vector<bool> exited_;            // by peer: its process is known to have exited (mu_)
+  std::set<std::size_t> replacing_;     // peers killed for a restart, exits awaited (mu_)
   std::vector<std::string> nodes_;
   std::map<std::string, std::vector<int>> gpus_;  // node -> the run's GPUs there
   std::string sha_;

@@ -63,7 +63,6 @@ HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host) {
     return out;
   }
   out.socket.keys = transport::read_keypair(key);
-  out.key_file = std::filesystem::absolute(key).string();
   out.allowed.insert(out.socket.keys->public_key);
   out.names[out.socket.keys->public_key] = "head";
   out.admins.insert("head");

@@ -35,7 +35,6 @@ struct HeadSecurity {
   std::map<std::string, std::string> names;  // public key -> member name
   std::set<std::string> admins;              // member names
   std::map<std::string, std::string> teams;  // member name -> team (allow-list's team=)
-  std::string key_file;                      // the head's key pair file ("" without keys)
 };
 HeadSecurity head_security(const KeyOptions& o, const std::string& bind_host);
 

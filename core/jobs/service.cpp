@@ -26,6 +26,7 @@ extern char** environ;
 #include "core/jobs/archive.hpp"
 #include "core/jobs/demand.hpp"
 #include "core/jobs/supervisor.hpp"
+#include "transports/zmq/curve.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
@@ -122,6 +123,13 @@ proto::JobEntry to_entry(const JobRecord& j) {
   return e;
 }
 
+// Writes `text` to `file` (a new file, or one replaced whole).
+void write_file(const fs::path& file, const std::string& text) {
+  std::ofstream out(file, std::ios::trunc);
+  out << text;
+  if (!out) throw Error(fmt::format("cannot write {}", file.string()));
+}
+
 }  // namespace
 
 struct JobService::State {
@@ -134,12 +142,39 @@ struct JobService::State {
   // Uploads in progress: upload_key (the sha256 and the sender) -> bytes so far.
   std::map<std::string, std::int64_t> uploading;
   ShareMeter shares;
+  std::map<std::int64_t, std::string> driver_keys;  // job -> its driver's admitted public key
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
   }
 
   fs::path job_dir(std::int64_t id) const { return o.state_dir / "jobs" / std::to_string(id); }
+
+  // The state folder is the head's alone. With --run-as, each account must reach its jobs'
+  // folders: the state folder and jobs/ may be passed (mode 0711) but not listed, and what is in
+  // them is private.
+  void private_state() {
+    const fs::path& d = o.state_dir;
+    std::error_code ec;
+    if (!o.run_as.enabled()) {
+      fs::permissions(d, fs::perms::owner_all, ec);
+      return;
+    }
+    if (auto closed = closed_to_others(fs::absolute(d).parent_path())) {
+      throw ConfigError(fmt::format(
+          "--run-as: the members' accounts cannot reach their jobs' folders in --state-dir {}: "
+          "{} is closed to others; give a --state-dir they can pass through (e.g. "
+          "/var/lib/twinkle)",
+          d.string(), closed->string()));
+    }
+    const auto pass = fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec;
+    fs::permissions(d, pass, ec);
+    fs::permissions(d / "jobs", pass, ec);
+    fs::permissions(d / "uploads", fs::perms::owner_all, ec);
+    for (const char* f : {"jobs.db", "jobs.db-wal", "jobs.db-shm", "jobs.db-journal"})
+      if (fs::exists(d / f, ec))
+        fs::permissions(d / f, fs::perms::owner_read | fs::perms::owner_write, ec);
+  }
   fs::path upload(const std::string& sha) const { return o.state_dir / "uploads" / (sha + ".tar"); }
 
   // ----- messages -----------------------------------------------------------------------------
@@ -234,6 +269,14 @@ struct JobService::State {
   proto::JobAnswer on_submit(const Caller& who, proto::Submit& s) {
     proto::JobAnswer a;
     const std::string user = who.user.empty() ? s.user : who.user;
+    if (o.run_as.enabled()) {
+      try {
+        o.run_as.account_for(user);
+      } catch (const Error& e) {
+        a.error = fmt::format("{} (the head runs each member's jobs as its account)", e.what());
+        return a;
+      }
+    }
     const TeamQuota quota = o.quotas.of(who.team);
     if (s.priority < -quota.max_priority || s.priority > quota.max_priority) {
       a.error = fmt::format("--priority {}: team {} may give -{} to {} (max_priority{})",
@@ -274,6 +317,9 @@ struct JobService::State {
         o.state_dir / "jobs" / fmt::format(".incoming-{}", std::random_device{}());
     JobRecord j;
     try {
+      // Nobody else's to read, from the first byte (the state folder may be passed through).
+      fs::create_directories(incoming);
+      fs::permissions(incoming, fs::perms::owner_all);
       unpack(upload(s.sha256), incoming / "work");
       std::vector<Override> overrides;
       for (const auto& x : s.overrides) overrides.push_back(parse_override(x));
@@ -540,6 +586,7 @@ struct JobService::State {
     count_span(j, j.ended);
     store->update(j);
     cluster.unhold(j.id);
+    forget_driver(j.id);
     log(fmt::format("job {} ({}) {}: {}", j.id, j.name, state, reason));
     for (const auto& [id, sha] : store->prune(o.keep_jobs)) {
       std::error_code ec;
@@ -627,6 +674,7 @@ struct JobService::State {
                                                code == 75 ? " after its checkpoint" : "");
     store->update(j);
     cluster.unhold(j.id);
+    forget_driver(j.id);
     // Its workers go now, not when the lease of a driver that was killed runs out: what they
     // hold is what the lender waits for.
     if (!j.run.empty() && cluster.run_known(j.run)) cluster.release_run(j.run);
@@ -664,9 +712,49 @@ struct JobService::State {
                     v.name, v.team, l.id, l.team));
   }
 
-  // Starts the supervisor of `j`, detached: its own session, not this process's child.
+  // The key of job `id`'s driver is admitted no more.
+  void forget_driver(std::int64_t id) {
+    auto k = driver_keys.find(id);
+    if (k == driver_keys.end()) return;
+    if (cluster.revoke_driver) cluster.revoke_driver(k->second);
+    driver_keys.erase(k);
+  }
+
+  // The head admits the key of job `id`'s driver (its file in the job's folder).
+  void admit_driver(std::int64_t id, const std::string& public_key) {
+    forget_driver(id);
+    if (cluster.admit_driver) cluster.admit_driver(id, public_key);
+    driver_keys[id] = public_key;
+  }
+
+  // Starts the supervisor of `j`, detached: its own session, not this process's child. With
+  // --run-as, the job's working directory and driver key are given to its user's account (the
+  // job's folder, whose files the head reads, stays this process's), and the supervisor starts
+  // the driver as that account.
   void start(JobRecord& j) {
     const fs::path dir = job_dir(j.id);
+    std::optional<Account> account;
+    if (o.run_as.enabled()) account = o.run_as.account_for(j.user);
+    // A key of the driver's own: what it may do at the head is what this job may. Its public
+    // half is kept where the account cannot change it, for a restarted head to admit again.
+    std::vector<std::string> key_args;
+    if (!o.head_public.empty()) {
+      const auto keys = transport::generate_keypair();
+      transport::write_keypair(dir / "driver", keys, fmt::format("the driver of job {}", j.id),
+                               true);
+      write_file(dir / "driver.pub", keys.public_key + "\n");
+      key_args = {"--key", (dir / "driver" / "twinkle.key").string(), "--head-key", o.head_public};
+      if (account) give_tree(dir / "driver", *account);
+      admit_driver(j.id, keys.public_key);
+    }
+    if (account) {
+      // Once, while the tree is still this process's alone (the account cannot change it
+      // under the walk); a preempted job that starts again has it already.
+      struct stat st {};
+      if (::lstat((dir / "work").c_str(), &st) == 0 && st.st_uid != account->uid)
+        give_tree(dir / "work", *account);
+      fs::permissions(dir, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+    }
     std::vector<std::string> argv = {
         o.exe.string(),  "supervise",
         "--job-dir",     dir.string(),
@@ -675,6 +763,7 @@ struct JobService::State {
         "--log-cap",     std::to_string(o.log_cap),
         "--stop-grace",  fmt::format("{}", j.stop_grace_s)};
     if (j.resume_on_retry) argv.push_back("--resume-on-retry");
+    if (account) argv.insert(argv.end(), {"--user", account->name});
     // The job file by its full path: the driver's command line names the job's folder.
     argv.insert(argv.end(), {"--", o.exe.string(), "run", (dir / "work" / j.job_file).string(),
                              "--address", o.head_address, "--set", "job.mode=remote"});
@@ -685,9 +774,7 @@ struct JobService::State {
     // A preempted job resumes where its checkpoint left it.
     if (j.preemptions > 0 && j.resume_on_retry)
       argv.insert(argv.end(), {"--set", "job.resume=auto"});
-    if (!o.key_file.empty()) {
-      argv.insert(argv.end(), {"--key", o.key_file, "--head-key", o.head_public});
-    }
+    argv.insert(argv.end(), key_args.begin(), key_args.end());
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -1033,8 +1120,8 @@ JobService::JobService(ServiceOptions options, ClusterView cluster)
     throw Error(fmt::format("--state-dir {}: cannot create it: {}", s_->o.state_dir.string(),
                             ec.message()));
   }
-  fs::permissions(s_->o.state_dir, fs::perms::owner_all, ec);
   s_->store = std::make_unique<Store>(s_->o.state_dir / "jobs.db");
+  s_->private_state();
   // Leftovers of a head killed mid-submit.
   for (const auto& e : fs::directory_iterator(s_->o.state_dir / "jobs", ec)) {
     if (e.path().filename().string().rfind(".incoming-", 0) == 0) fs::remove_all(e.path(), ec);
@@ -1061,12 +1148,40 @@ JobService::JobService(ServiceOptions options, ClusterView cluster)
     // again (a supervisor that has it already ignores it).
     if (j.kind == "submitted" && j.stop_requested && State::supervisor_alive(j))
       ::kill(j.supervisor_pid, SIGTERM);
+    // Its driver, which lives on, connects again with its key.
+    if (j.kind == "submitted" && !s_->o.head_public.empty()) {
+      try {
+        std::ifstream in(s_->job_dir(j.id) / "driver.pub");
+        std::string key;
+        if (!(in >> key) || !transport::is_z85_key(key)) throw Error("no driver.pub in its folder");
+        s_->admit_driver(j.id, key);
+      } catch (const Error& e) {
+        s_->log(fmt::format("job {}: its driver cannot connect again: {}", j.id, e.what()));
+      }
+    }
   }
   s_->log(fmt::format("job history {} ({} jobs, {} running)",
                       (s_->o.state_dir / "jobs.db").string(), s_->store->count(), running));
 }
 
 JobService::~JobService() = default;
+
+std::string driver_name(std::int64_t job) { return fmt::format("job/{}", job); }
+
+std::optional<std::int64_t> driver_job(const std::string& name) {
+  if (name.rfind("job/", 0) != 0 || name.size() == 4) return std::nullopt;
+  std::int64_t id = 0;
+  for (std::size_t i = 4; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || id > (INT64_MAX - 9) / 10) return std::nullopt;
+    id = id * 10 + (name[i] - '0');
+  }
+  return id;
+}
+
+std::optional<std::string> JobService::user_of(std::int64_t id) const {
+  if (auto j = s_->store->get(id)) return j->user;
+  return std::nullopt;
+}
 
 Message JobService::handle(const Caller& caller, std::uint64_t request, Message& m) {
   State& s = *s_;

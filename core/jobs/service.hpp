@@ -11,6 +11,7 @@
 
 #include "core/jobs/store.hpp"
 #include "core/jobs/tenancy.hpp"
+#include "core/runtime/run_as.hpp"
 #include "transports/zmq/message.hpp"
 #include "transports/zmq/protocol.hpp"
 
@@ -50,7 +51,15 @@ struct ClusterView {
   std::function<bool(const std::vector<proto::GroupDemandEntry>& demand,
                      const std::vector<std::int64_t>& jobs, const std::vector<std::string>& runs)>
       fits_without;
+  // Admits the key of job `id`'s driver (its connections are named driver_name(id)) / no more.
+  std::function<void(std::int64_t id, const std::string& public_key)> admit_driver;
+  std::function<void(const std::string& public_key)> revoke_driver;
 };
+
+// The name a submitted job's driver has at the head (its key's): "job/ID"; driver_job() reads
+// the id back (nullopt for any other name).
+std::string driver_name(std::int64_t job);
+std::optional<std::int64_t> driver_job(const std::string& name);
 
 struct ServiceOptions {
   std::filesystem::path state_dir;  // jobs.db, uploads/, jobs/ID/
@@ -58,9 +67,14 @@ struct ServiceOptions {
   std::uint64_t log_cap = 64ull << 20;  // per job
   // Bytes of one working directory's archive: a client's 1 GiB of files and tar's headers.
   std::uint64_t max_upload = 5ull << 28;
-  std::string head_address;           // what drivers connect to
-  std::string key_file, head_public;  // the drivers' keys ("" without)
-  std::filesystem::path exe;          // the twinkle binary
+  std::string head_address;  // what drivers connect to
+  // The head's public key, which drivers pin; "" on a cluster without keys. With it, each job's
+  // driver gets a key pair of its own (JOB_DIR/driver/twinkle.key), admitted while it runs.
+  std::string head_public;
+  // Which account each member's jobs run as (docs/ARCHITECTURE.md, Isolation): a job's folder is
+  // given to it, and its supervisor and driver become it. Not enabled: as this process.
+  RunAs run_as;
+  std::filesystem::path exe;  // the twinkle binary
   std::function<void(const std::string&)> log;
   // Teams (docs/ARCHITECTURE.md, Teams and quotas): the quotas (no_quotas() without a file) and
   // the allow-list's members by team, for `twinkle quotas`.
@@ -102,6 +116,9 @@ class JobService {
   // or its lease ran out.
   void released(const std::string& run, bool lapsed,
                 const std::optional<std::string>& outcome = std::nullopt);
+
+  // The user of job `id`; nullopt when the history has no such job.
+  std::optional<std::string> user_of(std::int64_t id) const;
 
   // Reads the quotas file again (SIGHUP, `twinkle quotas reload`): what it did, or an Error
   // (ConfigError with file:line:col) that leaves the quotas as they were.

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,10 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
 
+#include "core/runtime/run_as.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
@@ -41,11 +44,12 @@ void write_atomic(const fs::path& file, const std::string& text) {
 // where log.1 starts in the whole stream.
 class LogWriter {
  public:
-  LogWriter(const fs::path& dir, std::uint64_t cap)
-      : dir_(dir), half_(std::max<std::uint64_t>(cap / 2, 4096)) {
+  // `owner`: the account the job runs as, which may read its log (nobody else may).
+  LogWriter(const fs::path& dir, std::uint64_t cap, const std::optional<Account>& owner)
+      : dir_(dir), half_(std::max<std::uint64_t>(cap / 2, 4096)), owner_(owner) {
     std::error_code ec;
     size_ = fs::exists(dir / "log", ec) ? fs::file_size(dir / "log", ec) : 0;
-    fd_ = Fd(::open((dir / "log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640));
+    open();
   }
 
   void write(const char* p, std::size_t n) {
@@ -79,12 +83,19 @@ class LogWriter {
     const auto old = fs::exists(dir_ / "log.1", ec) ? fs::file_size(dir_ / "log.1", ec) : 0;
     fs::rename(dir_ / "log", dir_ / "log.1", ec);
     write_atomic(dir_ / "log.base", fmt::format("{}\n", base + static_cast<std::int64_t>(old)));
-    fd_ = Fd(::open((dir_ / "log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640));
+    open();
     size_ = 0;
+  }
+
+  void open() {
+    fd_ = Fd(::open((dir_ / "log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW,
+                    owner_ ? 0600 : 0640));
+    if (fd_ && owner_) (void)!::fchown(fd_.get(), owner_->uid, owner_->gid);
   }
 
   fs::path dir_;
   std::uint64_t half_;
+  std::optional<Account> owner_;
   std::uint64_t size_ = 0;
   Fd fd_;
 };
@@ -99,6 +110,7 @@ std::string stamp() {
 // Starts the driver with its output into `out`; returns its pid.
 pid_t start_driver(const SuperviseOptions& o, const std::vector<std::string>& argv, int out,
                    int attempt) {
+  // This process has one thread: the child may look the account up (become) before its exec.
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -114,7 +126,19 @@ pid_t start_driver(const SuperviseOptions& o, const std::vector<std::string>& ar
     dup2(out, 1);
     dup2(out, 2);
     setenv("TWINKLE_JOB_ATTEMPT", count.c_str(), 1);
-    if (chdir(o.work_dir.c_str()) != 0) _exit(127);
+    if (!o.user.empty()) {
+      try {
+        become(o.user);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "twinkle: cannot start the driver: %s\n", e.what());
+        _exit(127);
+      }
+    }
+    if (chdir(o.work_dir.c_str()) != 0) {
+      std::fprintf(stderr, "twinkle: cannot enter %s: %s\n", o.work_dir.c_str(),
+                   std::strerror(errno));
+      _exit(127);
+    }
     execv(args[0], args.data());
     std::fprintf(stderr, "twinkle: cannot start the driver %s: %s\n", args[0],
                  std::strerror(errno));
@@ -131,7 +155,12 @@ int supervise(const SuperviseOptions& o) {
   for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR2, SIGCHLD}) sigaddset(&set, s);
   sigprocmask(SIG_BLOCK, &set, nullptr);
   Fd sigs(signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
-  LogWriter log(o.job_dir, o.log_cap);
+  std::optional<Account> owner;
+  if (!o.user.empty()) {
+    owner = find_account(o.user);
+    umask(077);  // the job's files here are nobody else's
+  }
+  LogWriter log(o.job_dir, o.log_cap, owner);
 
   bool stopping = false;  // asked to stop: no retry
   int code = 0;

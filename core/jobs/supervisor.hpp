@@ -25,6 +25,9 @@ struct SuperviseOptions {
   bool resume_on_retry = false;         // a retry adds --set job.resume=auto
   std::uint64_t log_cap = 64ull << 20;  // bytes kept of the log (two halves)
   double stop_grace_s = 60;
+  // The account the driver runs as (the head's --run-as), which alone may read the log; "": as
+  // this process.
+  std::string user;
 };
 
 // Runs the driver until it succeeds, is stopped, or has failed max_retries + 1 times; returns

@@ -127,7 +127,6 @@ class JobRun : public HostOps {
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
     const std::string resume_note = choose_resume();
-    check_restarts();
     if (!place_ranks()) {
       std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
                    signal_name(signal_.load()));
@@ -702,17 +701,6 @@ class JobRun : public HostOps {
   }
 
   // ----- restarts (docs/ARCHITECTURE.md, Restarts) --------------------------------------------
-
-  void check_restarts() const {
-    for (const auto& g : job_.groups) {
-      if (g.max_restarts > 0 && job_.mode == Mode::remote) {
-        throw ConfigError(fmt::format(
-            "{}: group \"{}\": max_restarts works in local mode so far; in remote mode a lost "
-            "worker ends the run (set max_restarts = 0, or run the job locally)",
-            g.where.text, g.name));
-      }
-    }
-  }
 
   void set_up_restarts() {
     const auto& groups = table_->groups();

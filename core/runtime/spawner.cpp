@@ -307,6 +307,15 @@ void Spawner::signal_all(int sig) const noexcept {
   if (const pid_t g = pgid_.load(); g > 0) ::kill(-g, sig);
 }
 
+int Spawner::signal(const std::string& name, int sig) const {
+  std::lock_guard lock(mu_);
+  int n = 0;
+  for (const auto& p : procs_) {
+    if (p->running && p->name == name && ::kill(p->pid, sig) == 0) ++n;
+  }
+  return n;
+}
+
 void Spawner::kill_and_reap() noexcept {
   signal_all(SIGKILL);
   std::vector<pid_t> running;

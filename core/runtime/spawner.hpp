@@ -91,6 +91,8 @@ class Spawner {
   void signal_all(int sig) const noexcept;
   // SIGKILL to the group, then reaps every process (for a caller that is about to exit at once).
   void kill_and_reap() noexcept;
+  // `sig` to the running processes named `name` (not to what they started). Returns how many.
+  int signal(const std::string& name, int sig) const;
 
   std::size_t running() const;
   std::vector<pid_t> pids() const;

@@ -25,6 +25,7 @@
 #include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/host_abi.hpp"
+#include "core/runtime/run_as.hpp"
 #include "plugins/loader.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/peers.hpp"
@@ -722,6 +723,8 @@ class Worker : public HostOps {
 }  // namespace
 
 bool run_worker(const WorkerOptions& o) {
+  // First: changing the uid clears the parent-death signal asked for below.
+  if (!o.user.empty()) become(o.user);
   if (!o.run_dir.empty()) {
     const std::string files[2] = {(o.run_dir / "ctl").string(), (o.run_dir / "kv").string()};
     for (int i = 0; i < 2; ++i)

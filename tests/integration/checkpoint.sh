@@ -119,13 +119,52 @@ case "$CASE" in
     expect_err "s before completing a call (a crash loop; no more restarts): worker model:1"
     [ "$(grep -c '^twinkle: restarting group model' "$TMP/err")" -eq 2 ] ||
       { cat "$TMP/err"; fail "a crash loop should end at its third death"; }
-    # Restarts work in local mode so far: remote mode refuses them before it connects.
-    run 2 "$TWK" run --quiet "$TMP/restarts.toml" --set job.mode=remote
-    expect_err "group \"model\": max_restarts works in local mode so far"
     # Without max_restarts a lost worker ends the run as before.
     run 1 "$TWK" run --quiet "$TMP/ck.toml" --set args.fail_at=model:2:3
     expect_err "stopping the other workers"
     expect_clean
+    ;;
+  restart_remote)
+    # The same in remote mode: a head with its agent on loopback; rank 2 aborts in epoch 12, its
+    # node's agent starts the group's replacements, which join the run and take the checkpoint
+    # of epoch 11: the run succeeds with the reference's losses; and without checkpoints, from
+    # the start.
+    export HOME="$TMP/home"
+    mkdir -p "$HOME"
+    "$TWK" node start --head --bind 127.0.0.1 --port 0 --cpus 8 --state-dir "$TMP/state" \
+      --cache-dir "$TMP/cache" >"$TMP/head.log" 2>&1 &
+    HEAD_PID=$!
+    trap 'kill -KILL $HEAD_PID 2>/dev/null; rm -rf "$TMP"' EXIT
+    wait_for "$TMP/head.log" "joined the cluster" 10
+    ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
+    restart_job 1
+    run 0 "$TWK" run --quiet "$TMP/restarts.toml" --set job.mode=remote --address "$ADDR" \
+      --set args.fail_at=model:2:12
+    expect_err "twinkle: restarting group model (restart 1 of 1 in 600 s): worker model:2"
+    expect_err "was killed by signal 6 (Aborted) on node"
+    expect_err "twinkle: group model is back (restart 1,"
+    expect_err "from the checkpoint of step 11)"
+    expect_out "a model worker was lost in epoch 12; the group is back at epoch 11"
+    [ "$(grep -c '^epoch 12  loss' "$TMP/out")" -eq 1 ] || fail "epoch 12 ran twice"
+    losses_match "a remote restart from a checkpoint"
+    grep -q "killed model:0, model:1, model:3 for their group's restart" "$TMP/head.log" ||
+      { cat "$TMP/head.log"; fail "the agent did not kill the group's survivors"; }
+    grep -q "restarted 4 worker(s)" "$TMP/head.log" || fail "the agent did not restart the group"
+    # Without checkpoints the group starts fresh, and the driver from epoch 0.
+    sed -e '/^checkpoint_dir/d' "$TMP/restarts.toml" >"$TMP/fresh.toml"
+    run 0 "$TWK" run --quiet "$TMP/fresh.toml" --set job.mode=remote --address "$ADDR" \
+      --set args.fail_at=model:2:5
+    expect_err ", without state)"
+    expect_out "the group is back at epoch 0"
+    grep -E '^epoch [0-9]+  loss ' "$TMP/out" | tail -n 30 >"$TMP/got-epochs"
+    diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "a fresh remote restart changed the losses"
+    [ "$(grep '^final loss:' "$TMP/out")" = "$REF_FINAL" ] || fail "a fresh remote restart changed the final loss"
+    # Nothing of either run is left on the node.
+    deadline=$((SECONDS + 10))
+    while pgrep -f -- " worker .*$TMP/cache/" >/dev/null; do
+      [ $SECONDS -lt $deadline ] || { pgrep -af -- " worker .*$TMP/cache/"; fail "workers left behind"; }
+      sleep 0.05
+    done
     ;;
   files)
     # A full run keeps the newest checkpoint_keep (3) complete checkpoints, each with a part per

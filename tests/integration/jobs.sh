@@ -16,10 +16,15 @@ unset TWINKLE_ADDRESS TWINKLE_KEY TWINKLE_HEAD_KEY TWINKLE_AUTHORIZED_KEYS TWINK
 unset TWINKLE_JOB_ID TWINKLE_JOB_USER
 unset DISPLAY WAYLAND_DISPLAY  # no login link goes to a desktop browser (dashboard_expired sets its own)
 PIDS=()
+ACCOUNTS=()  # Unix accounts this test made (users_apart)
 cleanup() {
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
   # Supervisors, drivers and workers of this test run from its folders: none may outlive it.
   pkill -KILL -f -- "$TMP/" 2>/dev/null
+  for u in "${ACCOUNTS[@]}"; do
+    pkill -KILL -u "$u" 2>/dev/null
+    userdel "$u" 2>/dev/null
+  done
   rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -968,7 +973,7 @@ sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1
       digits_dir "$d" 150 'checkpoint_dir = "ck"'
       sed -i 's/^ranks  = 4 .*/ranks  = 8/' "$TMP/$d/job.toml"
     done
-    digits_dir small 20
+    digits_dir small 150
     run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
     want=$(final_loss "$TMP/out")
     [ -n "$want" ] || fail "no final loss in the reference run"
@@ -1195,6 +1200,88 @@ assert t["a"]["cpus"] == 3 and t["a"]["borrow_cpus"] == 3 and t["c"]["used_cpus"
     [ "$(job_field "$b1" preemptions)" = 0 ] && [ "$(job_field "$a1" preemptions)" = 0 ] ||
       fail "a job was preempted in a pass that had room for both quotas"
     ! grep -q "job service:" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the job service failed a pass"; }
+    ;;
+
+  users_apart)
+    # Issue 24, test 4: a head and an agent as root with --run-as map alice and bob to two Unix
+    # accounts this test makes. bob's submitted digits job checkpoints and succeeds; then
+    # alice's job (submitted, and run from a terminal) tries, from its driver and from each
+    # worker, to read bob's run folder, job file, log, checkpoint and plugin cache: EACCES every
+    # time, while a file open to all reads, and alice's jobs succeed too. carol, whom --run-as
+    # does not map, is refused at submit.
+    [ "$(id -u)" = 0 ] || { echo "needs root (useradd, and --run-as)"; exit 77; }
+    command -v useradd >/dev/null || { echo "no useradd here"; exit 77; }
+    ua="twa$$"
+    ub="twb$$"
+    for u in "$ua" "$ub"; do
+      useradd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin --user-group "$u" ||
+        fail "useradd $u"
+      ACCOUNTS+=("$u")
+    done
+    uid_a=$(id -u "$ua")
+    uid_b=$(id -u "$ub")
+    chmod 0711 "$TMP"  # the accounts pass through to the state and cache folders
+    mkdir -p "$TMP/shared"
+    chmod 1777 "$TMP/shared"  # like /tmp: where the jobs' checkpoints go
+    echo open >"$TMP/shared/open-to-all"
+    chmod 0644 "$TMP/shared/open-to-all"
+    team_keys
+    map="alice=$ua,bob=$ub"
+    start_head "${KEYED[@]}" --run-as "$map"
+    start_agent n1 --cpus 8 $(as node) --run-as "$map"
+    run 0 "$TWK" nodes --address "$ADDR" $(as alice)
+    expect_out "  users: apart: alice as $ua, bob as $ub"
+    # bob's job: digits, a checkpoint every epoch.
+    digits_dir bob 3 "checkpoint_dir = \"$TMP/shared/ckpt-bob\""
+    MEMBER=($(as bob))
+    bid=$(submit_id "$TMP/bob/job.toml")
+    wait_state "$bid" SUCCEEDED 90
+    ls "$TMP/shared/ckpt-bob" | grep -q '^step-' || fail "bob's job wrote no checkpoint"
+    manifest=$(ls -d "$TMP"/shared/ckpt-bob/step-*/manifest.json | head -1)
+    owner_mode() { stat -c '%U %a' "$1"; }
+    [ "$(owner_mode "$STATE/jobs/$bid/work")" = "$ub 700" ] || fail "bob's run folder: $(owner_mode "$STATE/jobs/$bid/work")"
+    [ "$(owner_mode "$STATE/jobs/$bid/log")" = "$ub 600" ] || fail "bob's log: $(owner_mode "$STATE/jobs/$bid/log")"
+    [ "$(owner_mode "$TMP/shared/ckpt-bob")" = "$ub 700" ] || fail "bob's checkpoints: $(owner_mode "$TMP/shared/ckpt-bob")"
+    [ "$(owner_mode "$TMP/cache-n1/accounts/$ub")" = "$ub 700" ] || fail "bob's plugin cache: $(owner_mode "$TMP/cache-n1/accounts/$ub")"
+    [ "$(owner_mode "$STATE/jobs/$bid")" = "root 711" ] || fail "bob's job folder: $(owner_mode "$STATE/jobs/$bid")"
+    "$TWK" logs "$bid" --address "$ADDR" $(as bob) | grep -q "final loss" || fail "bob cannot read his log with twinkle logs"
+    # alice's job probes bob's files.
+    fixture_dir p apart
+    cat >>"$TMP/p/job.toml" <<TOML
+probe = ["$STATE/jobs/$bid/work", "$STATE/jobs/$bid/work/job.toml", "$STATE/jobs/$bid/log",
+         "$TMP/shared/ckpt-bob", "$manifest", "$TMP/cache-n1/accounts/$ub",
+         "$TMP/shared/open-to-all"]
+TOML
+    MEMBER=($(as alice))
+    aid=$(submit_id "$TMP/p/job.toml")
+    wait_state "$aid" SUCCEEDED 60
+    "$TWK" logs "$aid" --address "$ADDR" $(as alice) >"$TMP/alice.log"
+    "$TWK" run "$TMP/p/job.toml" --set job.mode=remote --address "$ADDR" $(as alice) >"$TMP/alice-run.log" 2>&1 ||
+      { cat "$TMP/alice-run.log"; fail "alice's run from a terminal failed"; }
+    for f in "$TMP/alice.log" "$TMP/alice-run.log"; do
+      grep "OPEN" "$f"
+      for p in "$STATE/jobs/$bid/work" "$STATE/jobs/$bid/work/job.toml" "$STATE/jobs/$bid/log" \
+               "$TMP/shared/ckpt-bob" "$manifest" "$TMP/cache-n1/accounts/$ub"; do
+        # Her four workers of group a, and her driver where it ran as her (the submitted job).
+        want=4
+        [ "$f" = "$TMP/alice.log" ] && want=5
+        n=$(grep -cF " $p: EACCES" "$f")
+        [ "$n" -eq "$want" ] || fail "$f: $n of $want tries to read $p got EACCES"
+      done
+      n=$(grep -cF " $TMP/shared/open-to-all: ok" "$f")
+      [ "$n" -ge 4 ] || fail "$f: the file open to all was read $n times, not by every worker"
+      n=$(grep -E "OPEN a:[0-9] uid=" "$f" | grep -vc "uid=$uid_a ")
+      [ "$n" -eq 0 ] || fail "$f: $n of alice's workers' lines come from another uid than $ua's ($uid_a)"
+    done
+    grep -q "OPEN driver uid=$uid_a " "$TMP/alice.log" || fail "alice's submitted driver did not run as $ua"
+    [ "$(owner_mode "$STATE/jobs/$aid/work")" = "$ua 700" ] || fail "alice's run folder: $(owner_mode "$STATE/jobs/$aid/work")"
+    grep -q "started 6 worker(s) as $ua" "$TMP/agent-n1.log" || fail "the agent does not say it ran alice's workers as $ua"
+    grep -q "started 4 worker(s) as $ub" "$TMP/agent-n1.log" || fail "the agent does not say it ran bob's workers as $ub"
+    # carol has no account here: refused at submit, with the fix.
+    run 2 "$TWK" submit "$TMP/p/job.toml" --address "$ADDR" $(as carol)
+    expect_err "member carol has no Unix account on this node"
+    expect_err "add carol=ACCOUNT"
+    echo "alice ($ua, uid $uid_a) and bob ($ub, uid $uid_b) kept apart; both jobs succeeded"
     ;;
 
   *) fail "unknown case $CASE" ;;

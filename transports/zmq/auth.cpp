@@ -90,9 +90,16 @@ KeyGate::~KeyGate() {
   thread_.join();
 }
 
-void KeyGate::allow(const std::string& key) {
+void KeyGate::allow(const std::string& key, const std::string& name) {
   std::lock_guard lock(mu_);
   allowed_.insert(key);
+  if (!name.empty()) names_[key] = name;
+}
+
+void KeyGate::revoke(const std::string& key) {
+  std::lock_guard lock(mu_);
+  allowed_.erase(key);
+  names_.erase(key);
 }
 
 void KeyGate::serve() {

@@ -64,7 +64,10 @@ class KeyGate {
   KeyGate& operator=(const KeyGate&) = delete;
   ~KeyGate();
 
-  void allow(const std::string& key);
+  // Admits `key` from now on (its connections named `name`, when given). Thread-safe.
+  void allow(const std::string& key, const std::string& name = "");
+  // Admits `key` no more; a connection it has stays. Thread-safe.
+  void revoke(const std::string& key);
 
  private:
   void serve();

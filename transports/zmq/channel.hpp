@@ -93,6 +93,9 @@ class CallChannel {
   virtual std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) = 0;
   // `peer` is gone (its process ended, its node stopped answering): next() delivers it once.
   virtual void lost(std::size_t peer, std::string reason) = 0;
+  // Drops the queued lost events of `peer`: they are of a process a restart replaced (channels
+  // whose peers are never replaced keep none).
+  virtual void forget_lost(std::size_t peer) { (void)peer; }
   // Makes a waiting next() return a wake event (a signal arrived, for example).
   virtual void wake() = 0;
   // Messages dropped so far: from unknown peers, or malformed.
@@ -131,8 +134,7 @@ class RouterDriverChannel : public CallChannel {
   void lost(std::size_t peer, std::string reason) override;
   void wake() override;
   std::uint64_t dropped() const override { return drops_.count(); }
-  // Drops the queued lost events of `peer`: they are of a process a restart replaced.
-  void forget_lost(std::size_t peer) { events_.forget(peer); }
+  void forget_lost(std::size_t peer) override { events_.forget(peer); }
 
  protected:
   RouterDriverChannel(zmq::context_t& context, std::vector<std::string> identities);

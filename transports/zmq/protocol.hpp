@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 8;
+inline constexpr std::uint16_t kProtocolVersion = 10;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -384,15 +384,16 @@ struct GpuUseEntry {
 // A run's part on a node, as the agent reports it when it registers.
 struct NodeJob {
   std::string run, job, owner;
+  std::string user;        // the member it runs for, as the head named it at launch
   std::int64_t since = 0;  // unix seconds
   std::vector<int> gpus;
   int cpus = 0;
   std::int64_t memory = 0;  // its workers' memory limits, summed
   static constexpr auto fields() {
-    return std::tuple{field("run", &NodeJob::run),      field("job", &NodeJob::job),
-                      field("owner", &NodeJob::owner),  field("since", &NodeJob::since),
-                      field("gpus", &NodeJob::gpus),    field("cpus", &NodeJob::cpus),
-                      field("memory", &NodeJob::memory)};
+    return std::tuple{field("run", &NodeJob::run),       field("job", &NodeJob::job),
+                      field("owner", &NodeJob::owner),   field("since", &NodeJob::since),
+                      field("gpus", &NodeJob::gpus),     field("cpus", &NodeJob::cpus),
+                      field("memory", &NodeJob::memory), field("user", &NodeJob::user)};
   }
 };
 
@@ -407,13 +408,15 @@ struct NodeRegister {
   std::vector<NodeJob> jobs;  // what it still runs (a restarted head adopts them)
   // How it keeps jobs apart: "cgroup v1 (cpu, memory)", or "not enforced: WHY".
   std::string isolation;
+  // Whether it keeps users apart: "apart: alice as tw-alice, ...", or "not apart: WHY".
+  std::string users;
   static constexpr auto fields() {
     return std::tuple{
-        field("node", &NodeRegister::node),          field("host", &NodeRegister::host),
-        field("address", &NodeRegister::address),    field("cpus", &NodeRegister::cpus),
-        field("memory", &NodeRegister::memory),      field("gpus", &NodeRegister::gpus),
-        field("labels", &NodeRegister::labels),      field("jobs", &NodeRegister::jobs),
-        field("isolation", &NodeRegister::isolation)};
+        field("node", &NodeRegister::node),           field("host", &NodeRegister::host),
+        field("address", &NodeRegister::address),     field("cpus", &NodeRegister::cpus),
+        field("memory", &NodeRegister::memory),       field("gpus", &NodeRegister::gpus),
+        field("labels", &NodeRegister::labels),       field("jobs", &NodeRegister::jobs),
+        field("isolation", &NodeRegister::isolation), field("users", &NodeRegister::users)};
   }
 };
 
@@ -458,6 +461,7 @@ struct NodeEntry {
   double heartbeat_age_s = 0;
   std::int64_t registered = 0;  // unix seconds
   std::string isolation;        // as its node_register said
+  std::string users;            // as its node_register said
   static constexpr auto fields() {
     return std::tuple{field("id", &NodeEntry::id),
                       field("host", &NodeEntry::host),
@@ -470,7 +474,8 @@ struct NodeEntry {
                       field("labels", &NodeEntry::labels),
                       field("heartbeat_age_s", &NodeEntry::heartbeat_age_s),
                       field("registered", &NodeEntry::registered),
-                      field("isolation", &NodeEntry::isolation)};
+                      field("isolation", &NodeEntry::isolation),
+                      field("users", &NodeEntry::users)};
   }
 };
 
@@ -613,18 +618,25 @@ struct RunKeys {
 struct Launch {
   static constexpr MsgType kType = MsgType::launch;
   std::string run, node, job, owner;
+  // The member the run is for: set by the head from the run's reservation (what a driver says
+  // here is replaced); a node with --run-as starts the workers as that member's account.
+  std::string user;
   std::string sha256;    // the plugin's
   std::string endpoint;  // the driver's socket
   std::vector<int> gpus;
   int cpus = 0;
   std::vector<LaunchWorker> workers;
   std::optional<RunKeys> keys;  // when the cluster uses keys
+  // Replacements of workers of a run the node runs already (a group's restart): their former
+  // processes have exited.
+  bool restart = false;
   static constexpr auto fields() {
-    return std::tuple{field("run", &Launch::run),         field("node", &Launch::node),
-                      field("job", &Launch::job),         field("owner", &Launch::owner),
-                      field("sha256", &Launch::sha256),   field("endpoint", &Launch::endpoint),
-                      field("gpus", &Launch::gpus),       field("cpus", &Launch::cpus),
-                      field("workers", &Launch::workers), field("keys", &Launch::keys)};
+    return std::tuple{field("run", &Launch::run),           field("node", &Launch::node),
+                      field("job", &Launch::job),           field("owner", &Launch::owner),
+                      field("user", &Launch::user),         field("sha256", &Launch::sha256),
+                      field("endpoint", &Launch::endpoint), field("gpus", &Launch::gpus),
+                      field("cpus", &Launch::cpus),         field("workers", &Launch::workers),
+                      field("keys", &Launch::keys),         field("restart", &Launch::restart)};
   }
 };
 
@@ -660,14 +672,16 @@ struct PluginBytes {
   }
 };
 
-// driver -> agent.
+// driver -> agent: stop the run's workers on the node (answered with `stopped`), or, with
+// `workers`, kill only those now (a group's restart; their exits come as `worker_exit`).
 struct StopJob {
   static constexpr MsgType kType = MsgType::stop_job;
   std::string run, node;
   std::int64_t grace_ms = 0;
+  std::vector<std::string> workers;
   static constexpr auto fields() {
     return std::tuple{field("run", &StopJob::run), field("node", &StopJob::node),
-                      field("grace_ms", &StopJob::grace_ms)};
+                      field("grace_ms", &StopJob::grace_ms), field("workers", &StopJob::workers)};
   }
 };
 

@@ -112,12 +112,13 @@ async function cluster(mine) {
     `${n.gpus.filter((g) => g.run).length} / ${n.gpus.length}` +
       (n.gpus.length ? " (" + [...new Set(n.gpus.map((g) => g.name))].join(", ") + ")" : ""),
     gpu_use(n), (n.memory / 2 ** 30).toFixed(1) + " GiB",
-    Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", "), n.isolation || "-"]);
+    Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", "), n.isolation || "-",
+    n.users || "-"]);
   const res = c.reservations.map((r) => [r.run, r.job, r.owner,
     r.bundles.map((b) => `${b.node}: ${b.cpus} CPUs` + (b.gpus.length ? `, GPUs ${b.gpus.join(",")}` : "")).join("; ")]);
   show(mine, el("h2", {}, `Nodes (${c.nodes.length})`),
     table(["node", "host", "state", "heartbeat", "CPUs used", "GPUs used", "GPU use (NVML)", "memory", "labels",
-      "isolation"], nodes),
+      "isolation", "users"], nodes),
     el("h2", {}, `Reservations (${c.reservations.length})`),
     table(["run", "job", "user", "devices"], res));
 }
