@@ -417,6 +417,8 @@ int run_show(const ShowOptions& o) {
   fmt::print("  submitted  {}\n  started    {}\n  ended      {}\n  duration   {}\n",
              when(j.submitted), when(j.started), when(j.ended), duration(j));
   if (j.kind == "submitted") fmt::print("  retries    {} of {}\n", j.retries, j.max_retries);
+  if (j.restarts)
+    fmt::print("  restarts   {} (groups restarted after a lost worker)\n", j.restarts);
   if (j.exit_code) fmt::print("  exit code  {}\n", *j.exit_code);
   if (!j.stopped_by.empty()) fmt::print("  stopped by {}\n", j.stopped_by);
   fmt::print("  devices    {} node(s), {} CPU(s), {} GPU(s); {:.0f} GPU-seconds\n", j.nodes, j.cpus,

@@ -77,6 +77,7 @@ struct Run {
   std::string id, job, owner, driver;  // driver: its identity at the head ("" until known)
   // The member it runs for (its key's name; a submitted job's user): what its launches carry.
   std::string user;
+  int restarts = 0;  // its groups' restarts so far, as its driver's lease said
   std::vector<Bundle> bundles;
   std::int64_t since = 0;
   Clock::time_point last_lease = Clock::now();
@@ -792,10 +793,15 @@ struct Head::State {
             if (r != runs.end() && speaks_for(r->second, from, user)) {
               r->second.last_lease = Clock::now();
               r->second.driver = from;
+              if (jobs && b.restarts > r->second.restarts) jobs->restarted(b.run, b.restarts);
+              r->second.restarts = std::max(r->second.restarts, b.restarts);
             }
           } else if constexpr (std::is_same_v<T, proto::Release>) {
             auto r = runs.find(b.run);
-            if (r != runs.end() && speaks_for(r->second, from, user)) on_release(b.run, b.outcome);
+            if (r != runs.end() && speaks_for(r->second, from, user)) {
+              if (jobs && b.restarts > r->second.restarts) jobs->restarted(b.run, b.restarts);
+              on_release(b.run, b.outcome);
+            }
           } else if constexpr (std::is_same_v<T, proto::Launch>) {
             on_launch(from, user, m, b);
           } else if constexpr (std::is_same_v<T, proto::PluginBytes> ||

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -59,7 +60,7 @@ class ClusterSite : public RemoteSite {
       : security_(security), link_(address, security_, driver_identity()) {}
 
   ~ClusterSite() override {
-    if (!run_.empty()) link_.post(Message{0, proto::Release{run_, outcome_}});
+    if (!run_.empty()) link_.post(Message{0, proto::Release{run_, outcome_, restarts_.load()}});
     link_.stop(std::chrono::milliseconds(1000));
   }
 
@@ -75,7 +76,7 @@ class ClusterSite : public RemoteSite {
         run_ = run_id;
         link_.start([this](Message& m) { on_message(m); },
                     [this]() -> std::optional<Message> {
-                      return Message{0, proto::Lease{run_}};
+                      return Message{0, proto::Lease{run_, restarts_.load()}};
                     });
         return placement_of(job, r);
       }
@@ -127,6 +128,8 @@ class ClusterSite : public RemoteSite {
   }
   HeadLink& link() { return link_; }
   const std::string& run() const { return run_; }
+  // One more group restart of the run (the next lease tells the head).
+  void restarted() { ++restarts_; }
 
  private:
   proto::Reserve demand(const Job& job, const std::string& run_id, bool dry_run) const {
@@ -150,6 +153,7 @@ class ClusterSite : public RemoteSite {
   HeadLink link_;
   std::uint64_t request_id_ = 0;
   std::string run_;
+  std::atomic<int> restarts_{0};        // its groups' restarts, which every lease says
   std::optional<std::string> outcome_;  // how the run ended, for the release
   std::mutex mu_;
   ClusterLauncher* launcher_ = nullptr;
@@ -244,6 +248,7 @@ class ClusterLauncher : public Launcher {
       }
     }
     launch(peers, true);
+    site_.restarted();
   }
 
   void expect_exits() override { expecting_ = true; }

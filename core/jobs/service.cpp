@@ -120,6 +120,7 @@ proto::JobEntry to_entry(const JobRecord& j) {
   e.preemptible = j.preemptible;
   e.preemptions = j.preemptions;
   e.preempted_by = j.preempted_by;
+  e.restarts = j.restarts;
   return e;
 }
 
@@ -1178,6 +1179,30 @@ std::optional<std::int64_t> driver_job(const std::string& name) {
   return id;
 }
 
+void JobService::restarted(const std::string& run, int count) {
+  State& s = *s_;
+  try {
+    std::optional<JobRecord> j;
+    if (auto i = s.interactive.find(run); i != s.interactive.end()) {
+      j = s.store->get(i->second);
+    } else {
+      for (auto& r : s.store->in_state("RUNNING")) {
+        if (r.run == run) j = std::move(r);
+      }
+    }
+    if (!j || count <= j->run_restarts) return;
+    j->restarts += count - j->run_restarts;
+    j->run_restarts = count;
+    s.store->update(*j);
+    s.store->audit(AuditRecord{j->id, unix_now(), "head", "restart", "",
+                               fmt::format("a group of run {} restarted after a lost worker "
+                                           "(restart {} of the run)",
+                                           run, count)});
+  } catch (const std::exception& e) {
+    s.log(fmt::format("job service: {}", e.what()));
+  }
+}
+
 std::optional<std::string> JobService::user_of(std::int64_t id) const {
   if (auto j = s_->store->get(id)) return j->user;
   return std::nullopt;
@@ -1291,6 +1316,7 @@ void JobService::reserved(const std::string& run, std::optional<std::int64_t> jo
       s.interactive[run] = r.id;
       j = r;
     }
+    if (j->run != run) j->run_restarts = 0;
     j->run = run;
     j->placement = places.dump();
     j->gpus = gpus;

@@ -117,6 +117,10 @@ class JobService {
   void released(const std::string& run, bool lapsed,
                 const std::optional<std::string>& outcome = std::nullopt);
 
+  // The driver of `run` says that its groups have restarted `count` times so far (after lost
+  // workers; max_restarts): its job counts them, and an audit record says so.
+  void restarted(const std::string& run, int count);
+
   // The user of job `id`; nullopt when the history has no such job.
   std::optional<std::string> user_of(std::int64_t id) const;
 

@@ -46,6 +46,8 @@ struct JobRecord {
   int priority = 0;              // within its team
   bool preemptible = true;       // [job] preemptible: false never borrows
   int preemptions = 0;
+  int restarts = 0;               // its groups' restarts after a lost worker, over all its runs
+  int run_restarts = 0;           // those of its latest run (what that run's driver last said)
   std::int64_t preempted_by = 0;  // the job whose team reclaimed its devices last (0 none)
   int retry_base = 0;             // driver retries before its latest start (after preemptions)
 };

@@ -150,6 +150,14 @@ case "$CASE" in
     grep -q "killed model:0, model:1, model:3 for their group's restart" "$TMP/head.log" ||
       { cat "$TMP/head.log"; fail "the agent did not kill the group's survivors"; }
     grep -q "restarted 4 worker(s)" "$TMP/head.log" || fail "the agent did not restart the group"
+    # The head's history counts the run's restart.
+    run 0 "$TWK" jobs --all --json --address "$ADDR"
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))[0]; assert j["kind"] == "interactive" and j["restarts"] == 1, j' "$TMP/out" ||
+      { cat "$TMP/out"; fail "twinkle jobs does not count the restart"; }
+    run 0 "$TWK" job show "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["id"])' "$TMP/out")" --address "$ADDR"
+    expect_out "  restarts   1 (groups restarted after a lost worker)"
+    grep -E ' head +restart +a group of run [0-9a-f]+ restarted after a lost worker \(restart 1 of the run\)' "$TMP/out" ||
+      { cat "$TMP/out"; fail "the audit lacks the restart"; }
     # Without checkpoints the group starts fresh, and the driver from epoch 0.
     sed -e '/^checkpoint_dir/d' "$TMP/restarts.toml" >"$TMP/fresh.toml"
     run 0 "$TWK" run --quiet "$TMP/fresh.toml" --set job.mode=remote --address "$ADDR" \

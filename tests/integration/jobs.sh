@@ -265,7 +265,7 @@ case "$CASE" in
     start_head
     start_agent n1 --cpus 4
     digits_dir quick 2
-    digits_dir long 200  # long enough to be running while the queued job waits, on a fast machine
+    digits_dir long 800  # long enough to be running while the queued job waits, on a fast machine
     first=$(submit_id "$TMP/quick/job.toml")
     wait_state "$first" SUCCEEDED 60
     long=$(submit_id "$TMP/long/job.toml")
@@ -276,8 +276,7 @@ case "$CASE" in
       [ $SECONDS -lt $deadline ] || fail "the long job did not reach epoch 3"
       sleep 0.1
     done
-    run 0 "$TWK" jobs --address "$ADDR"
-    expect_out "waiting for devices"
+    until_reason "$queued" "waiting for devices" 10
     kill -KILL $HEAD_PID
     wait $HEAD_PID 2>/dev/null
     start_head  # the same port and state folder
@@ -289,7 +288,7 @@ case "$CASE" in
     started=$(job_field "$queued" started)
     [ "$started" -ge "$ended" ] || fail "the queued job started ($started) before the long one ended ($ended)"
     run 0 "$TWK" logs "$long" --address "$ADDR"
-    expect_out "epoch 200 "
+    expect_out "epoch 800 "
     expect_out "final loss:"
     ;;
 

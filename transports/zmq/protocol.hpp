@@ -583,8 +583,10 @@ struct Release {
   static constexpr MsgType kType = MsgType::release;
   std::string run;
   std::optional<std::string> outcome;  // "succeeded" | "failed" | "stopped"; none: not known
+  int restarts = 0;                    // its groups' restarts in all (as in `lease`)
   static constexpr auto fields() {
-    return std::tuple{field("run", &Release::run), field("outcome", &Release::outcome)};
+    return std::tuple{field("run", &Release::run), field("outcome", &Release::outcome),
+                      field("restarts", &Release::restarts)};
   }
 };
 
@@ -592,7 +594,10 @@ struct Release {
 struct Lease {
   static constexpr MsgType kType = MsgType::lease;
   std::string run;
-  static constexpr auto fields() { return std::tuple{field("run", &Lease::run)}; }
+  int restarts = 0;  // the run's group restarts so far (max_restarts)
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Lease::run), field("restarts", &Lease::restarts)};
+  }
 };
 
 struct LaunchWorker {
@@ -897,6 +902,7 @@ struct JobEntry {
   bool preemptible = true;
   int preemptions = 0;
   std::int64_t preempted_by = 0;  // the job it was last preempted for (0 none)
+  int restarts = 0;               // its groups' restarts after a lost worker (max_restarts)
   // jobs_query with `job` only:
   std::vector<RankPlace> placement;
   std::vector<std::string> summary;  // the last lines of its log
@@ -931,6 +937,7 @@ struct JobEntry {
                       field("preemptible", &JobEntry::preemptible),
                       field("preemptions", &JobEntry::preemptions),
                       field("preempted_by", &JobEntry::preempted_by),
+                      field("restarts", &JobEntry::restarts),
                       field("placement", &JobEntry::placement),
                       field("summary", &JobEntry::summary),
                       field("audit", &JobEntry::audit),

@@ -240,9 +240,10 @@ function job_info(p, j) {
     (j.overrides || []).length ? "overrides " + j.overrides.join(" ") : "",
     j.sha256 ? `sha256 ${j.sha256}` : ""].filter((s) => s);
   p.summary.replaceChildren(el("h2", {}, `Job ${j.id}: ${j.name}`),
-    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "preempted", "GPU-seconds"],
+    table(["user", "state", "submitted", "started", "ended", "exit", "retries", "restarts", "preempted",
+      "GPU-seconds"],
       [[team_of(j), el("span", { class: "state-" + j.state }, j.state), when(j.submitted), when(j.started),
-        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries,
+        when(j.ended), j.exit_code === undefined ? "-" : j.exit_code, j.retries, j.restarts || 0,
         j.preemptions ? `${j.preemptions} (last for job ${j.preempted_by})` : "-",
         j.ended ? (j.gpu_seconds || 0).toFixed(0) : "-"]]));
   job_buttons(p, j);
