@@ -741,8 +741,12 @@ struct JobService::State {
     std::vector<std::string> key_args;
     if (!o.head_public.empty()) {
       const auto keys = transport::generate_keypair();
+      // A new folder each start: one the account had may hold its links, which this process
+      // must not write through.
+      std::error_code ec;
+      fs::remove_all(dir / "driver", ec);
       transport::write_keypair(dir / "driver", keys, fmt::format("the driver of job {}", j.id),
-                               true);
+                               false);
       write_file(dir / "driver.pub", keys.public_key + "\n");
       key_args = {"--key", (dir / "driver" / "twinkle.key").string(), "--head-key", o.head_public};
       if (account) give_tree(dir / "driver", *account);
