@@ -972,7 +972,7 @@ sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1
       digits_dir "$d" 150 'checkpoint_dir = "ck"'
       sed -i 's/^ranks  = 4 .*/ranks  = 8/' "$TMP/$d/job.toml"
     done
-    digits_dir small 150
+    digits_dir small 400
     run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
     want=$(final_loss "$TMP/out")
     [ -n "$want" ] || fail "no final loss in the reference run"
@@ -988,8 +988,10 @@ sys.exit(0 if [g["name"] for g in n["g1"]["gpus"]] == ["Test GPU 0", "Test GPU 1
     MEMBER=($(as bob))
     small=$(submit_id "$TMP/small/job.toml")
     wait_state "$big" PREEMPTED 60
-    show_jobs "2. bob's job within team b's quota: alice's job is preempted"
-    until_reason "$big" "preempted by job $small" 5
+    # One snapshot: alice's job resumes as soon as bob's ends.
+    step2=$(show_jobs "2. bob's job within team b's quota: alice's job is preempted")
+    echo "$step2"
+    grep -qF "preempted by job $small" <<<"$step2" || fail "job $big is not said to be preempted by job $small"
     wait_state "$small" SUCCEEDED 120
     show_jobs "3. bob's job ended: alice's resumes"
     wait_state "$big" SUCCEEDED 150
