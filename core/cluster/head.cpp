@@ -503,6 +503,13 @@ struct Head::State {
     return !member.empty() && member == r.user;
   }
 
+  // The driver of `r` says its groups restarted `count` times so far: its job counts the new ones.
+  void note_restarts(Run& r, int count) {
+    if (count <= r.restarts) return;
+    r.restarts = count;
+    if (jobs) jobs->restarted(r.id, count);
+  }
+
   // A driver's launch goes on to its node with the member the run is for, which the node's
   // --run-as maps to an account: only the run's own driver may launch its workers.
   void on_launch(const std::string& from, const std::string& user, const Message& m,
@@ -793,13 +800,12 @@ struct Head::State {
             if (r != runs.end() && speaks_for(r->second, from, user)) {
               r->second.last_lease = Clock::now();
               r->second.driver = from;
-              if (jobs && b.restarts > r->second.restarts) jobs->restarted(b.run, b.restarts);
-              r->second.restarts = std::max(r->second.restarts, b.restarts);
+              note_restarts(r->second, b.restarts);
             }
           } else if constexpr (std::is_same_v<T, proto::Release>) {
             auto r = runs.find(b.run);
             if (r != runs.end() && speaks_for(r->second, from, user)) {
-              if (jobs && b.restarts > r->second.restarts) jobs->restarted(b.run, b.restarts);
+              note_restarts(r->second, b.restarts);
               on_release(b.run, b.outcome);
             }
           } else if constexpr (std::is_same_v<T, proto::Launch>) {

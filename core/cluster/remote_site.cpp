@@ -25,6 +25,7 @@
 #include "core/job/values.hpp"
 #include "core/jobs/demand.hpp"
 #include "core/runtime/log_dir.hpp"
+#include "core/runtime/worker_env.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core::cluster {
@@ -240,12 +241,7 @@ class ClusterLauncher : public Launcher {
     }
     for (std::size_t p : peers) {
       channel_.forget_lost(p);
-      auto& e = launches_.at(p).env;
-      for (const auto& kv : env) {
-        const std::string key = kv.substr(0, kv.find('=') + 1);
-        std::erase_if(e, [&](const std::string& x) { return x.starts_with(key); });
-        e.push_back(kv);
-      }
+      override_env(launches_.at(p).env, env);
     }
     launch(peers, true);
     site_.restarted();

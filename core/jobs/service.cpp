@@ -124,13 +124,6 @@ proto::JobEntry to_entry(const JobRecord& j) {
   return e;
 }
 
-// Writes `text` to `file` (a new file, or one replaced whole).
-void write_file(const fs::path& file, const std::string& text) {
-  std::ofstream out(file, std::ios::trunc);
-  out << text;
-  if (!out) throw Error(fmt::format("cannot write {}", file.string()));
-}
-
 }  // namespace
 
 struct JobService::State {
@@ -747,7 +740,8 @@ struct JobService::State {
       fs::remove_all(dir / "driver", ec);
       transport::write_keypair(dir / "driver", keys, fmt::format("the driver of job {}", j.id),
                                false);
-      write_file(dir / "driver.pub", keys.public_key + "\n");
+      if (!write_atomic(dir / "driver.pub", keys.public_key + "\n"))
+        throw Error(fmt::format("cannot write {}", (dir / "driver.pub").string()));
       key_args = {"--key", (dir / "driver" / "twinkle.key").string(), "--head-key", o.head_public};
       if (account) give_tree(dir / "driver", *account);
       admit_driver(j.id, keys.public_key);

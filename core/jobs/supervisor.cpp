@@ -27,18 +27,19 @@ namespace twinkle::core::jobs {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-namespace {
-
-// Writes `text` to `file` through a temporary name, so a reader sees all of it or nothing.
-void write_atomic(const fs::path& file, const std::string& text) {
+bool write_atomic(const fs::path& file, const std::string& text) {
   const fs::path tmp = file.string() + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << text;
+    if (!out) return false;
   }
   std::error_code ec;
   fs::rename(tmp, file, ec);
+  return !ec;
 }
+
+namespace {
 
 // The driver's output into log, rotated into log.1 when it reaches half the cap; log.base says
 // where log.1 starts in the whole stream.

@@ -34,6 +34,10 @@ struct SuperviseOptions {
 // its last exit status.
 int supervise(const SuperviseOptions& o);
 
+// Writes `text` to `file` through a temporary name, so that a reader sees all of it or nothing;
+// false when it could not.
+bool write_atomic(const std::filesystem::path& file, const std::string& text);
+
 // The job's log as one byte stream across rotation.
 struct LogPiece {
   std::string bytes;

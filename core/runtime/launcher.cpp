@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/runtime/worker_env.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core {
@@ -77,11 +78,7 @@ void LocalLauncher::restart(const std::vector<std::size_t>& peers,
   for (std::size_t p : peers) {
     channel_.renew_worker_end(p);
     std::vector<std::string> e = launches_.at(p).env;
-    for (const auto& kv : env) {
-      const std::string key = kv.substr(0, kv.find('=') + 1);
-      std::erase_if(e, [&](const std::string& x) { return x.starts_with(key); });
-      e.push_back(kv);
-    }
+    override_env(e, env);
     const pid_t pid = spawn(p, std::move(e));
     std::lock_guard lock(pids_mu_);
     if (!pids_[p]) pids_[p] = pid;

@@ -71,4 +71,12 @@ std::vector<std::string> worker_env(const std::vector<std::string>& base,
   return env;
 }
 
+void override_env(std::vector<std::string>& env, const std::vector<std::string>& vars) {
+  for (const auto& kv : vars) {
+    const std::string key = kv.substr(0, kv.find('=') + 1);
+    std::erase_if(env, [&](const std::string& x) { return x.starts_with(key); });
+    env.push_back(kv);
+  }
+}
+
 }  // namespace twinkle::core

@@ -34,4 +34,8 @@ std::vector<std::string> worker_env(const std::vector<std::string>& base,
                                     std::size_t worker, const Rendezvous& rendezvous,
                                     const RunInfo& run);
 
+// Sets each KEY=VALUE of `vars` in `env`, replacing what `env` had for KEY (a restarted worker's
+// TWINKLE_RESTART_COUNT, for one).
+void override_env(std::vector<std::string>& env, const std::vector<std::string>& vars);
+
 }  // namespace twinkle::core
