@@ -852,6 +852,7 @@ class JobRun : public HostOps {
     print_restarts();
     if (const int sig = signal_.load()) {
       if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
+      run_dir_.reset();
       std::fflush(stdout);
       std::fprintf(stderr, "\ntwinkle: interrupted by %s; stopped all workers\n", signal_name(sig));
       return {RunResult::Outcome::interrupted, sig};
@@ -861,6 +862,11 @@ class JobRun : public HostOps {
     if (ok && table_ && !table_->lost()) {
       table_->expect_exits();
       launcher_->expect_exits();
+      // The run folder goes while the workers still live and before they are told to shut
+      // down: their connections are made and need no file, and a driver killed at any moment
+      // leaves nothing behind (until the folder is gone the workers are there to remove it on
+      // the driver's death; once they have exited no one would).
+      run_dir_.reset();
       for (std::size_t i = 0; i < table_->workers().size(); ++i) {
         try {
           channel_->send(i, Message{0, proto::Shutdown{}});
@@ -880,6 +886,7 @@ class JobRun : public HostOps {
       return {RunResult::Outcome::ok, 0};
     }
     FailureFacts facts{job_.name, run_id_, table_ ? table_->lost() : std::nullopt, error};
+    run_dir_.reset();  // first, as above
     if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
     std::fflush(stdout);
     std::fputs(failure_summary(facts).c_str(), stderr);
