@@ -416,7 +416,11 @@ int run_show(const ShowOptions& o) {
   if (j.after) fmt::print("  after      job {} ({})\n", j.after->job, j.after->condition);
   fmt::print("  submitted  {}\n  started    {}\n  ended      {}\n  duration   {}\n",
              when(j.submitted), when(j.started), when(j.ended), duration(j));
-  if (j.kind == "submitted") fmt::print("  retries    {} of {}\n", j.retries, j.max_retries);
+  if (j.kind == "submitted") {
+    fmt::print("  retries    {} of {}\n", j.retries, j.max_retries);
+    fmt::print("  driver     {}\n", j.driver_node.empty() ? std::string("on the head's machine")
+                                                          : "on node " + j.driver_node);
+  }
   if (j.restarts)
     fmt::print("  restarts   {} (groups restarted after a lost worker)\n", j.restarts);
   if (j.exit_code) fmt::print("  exit code  {}\n", *j.exit_code);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -24,8 +26,11 @@
 #include "core/job/size.hpp"
 #include "core/job/unix_time.hpp"
 #include "core/job/values.hpp"
+#include "core/jobs/archive.hpp"
+#include "core/jobs/supervisor.hpp"
 #include "core/runtime/cgroup.hpp"
 #include "core/runtime/spawner.hpp"
+#include "transports/zmq/curve.hpp"
 #include "twinkle/errors.hpp"
 
 extern char** environ;
@@ -50,6 +55,28 @@ struct Job {
   std::thread stopper;
   std::atomic<bool> done{false};
 };
+
+// A submitted job's driver this node runs (docs/ARCHITECTURE.md, Drivers on nodes): its
+// supervisor, detached as on the head, keeps its files in `dir`; the agent sends its log and its
+// end to the head, which answers each driver_status with a driver_ack.
+struct Driver {
+  std::int64_t job = 0;
+  std::filesystem::path dir;  // cache_dir/drivers/ID
+  proto::DriverStart start;   // what the head asked, until the supervisor runs
+  std::int64_t received = 0;  // bytes of its working directory's archive so far
+  int pid = 0;                // its supervisor
+  std::int64_t pid_start = 0;
+  std::int64_t shipped = -1;  // the head holds its log up to here (-1: not asked yet)
+  bool waiting = false;       // a driver_status is unanswered
+  std::chrono::steady_clock::time_point sent;
+  int signalled = 0;                 // the last signal its supervisor got from the head
+  std::optional<std::string> error;  // it could not be started here
+};
+
+// How much of a driver's log one driver_status carries, and how long an unanswered one waits
+// before it is sent again.
+constexpr std::int64_t kLogPiece = 1 << 20;
+constexpr auto kStatusAgain = std::chrono::seconds(3);
 
 }  // namespace
 
@@ -82,6 +109,7 @@ struct Agent::State {
   std::unique_ptr<HeadLink> link;
   std::mutex mu;  // guards jobs
   std::map<std::string, std::unique_ptr<Job>> jobs;
+  std::map<std::int64_t, Driver> drivers;  // by job id; the link's thread's alone
   transport::DropLog drops{"the agent's link to the head",
                            [this](const std::string& l) { log(l); }};
 
@@ -402,8 +430,253 @@ struct Agent::State {
     }
   }
 
+  // ----- drivers of submitted jobs (on the link's thread) ------------------------------------
+
+  std::filesystem::path drivers_dir() const { return o.cache_dir / "drivers"; }
+  std::filesystem::path archive(const std::string& sha) const {
+    return o.cache_dir / "archives" / (sha + ".tar");
+  }
+
+  void on_driver_start(proto::DriverStart& m) {
+    namespace fs = std::filesystem;
+    // A start of a job this node had before (the head took it for lost, and chose this node
+    // again): what is left of the earlier one goes first.
+    if (auto old = drivers.find(m.job); old != drivers.end()) forget_driver(old);
+    Driver& d = drivers[m.job];
+    d.job = m.job;
+    // A folder of this start's own (ID.STAMP): an earlier supervisor that is still dying
+    // writes nothing into it.
+    d.dir =
+        drivers_dir() /
+        fmt::format("{}.{}", m.job, std::chrono::system_clock::now().time_since_epoch().count());
+    d.start = std::move(m);
+    d.shipped = 0;  // the head keeps nothing of an earlier start's log position
+    try {
+      if (o.run_as.enabled()) (void)o.run_as.account_for(d.start.user);  // refused before a byte
+      std::error_code ec;
+      fs::remove_all(d.dir, ec);
+      fs::create_directories(d.dir);
+      fs::permissions(d.dir, fs::perms::owner_all);
+      fs::create_directories(archive("x").parent_path());
+      if (fs::exists(archive(d.start.sha256), ec) &&
+          sha256_file(archive(d.start.sha256)) == d.start.sha256) {
+        return launch_driver(d);
+      }
+      fs::remove(part_file(d), ec);
+      post(proto::NeedArchive{d.job, d.start.sha256, 0});
+    } catch (const std::exception& e) {
+      driver_failed(d, e.what());
+    }
+  }
+
+  std::filesystem::path part_file(const Driver& d) const {
+    return archive(d.start.sha256).string() + fmt::format(".{}.part", d.job);
+  }
+
+  void on_archive_part(const proto::ArchivePart& m) {
+    namespace fs = std::filesystem;
+    auto it = drivers.find(m.job);
+    if (it == drivers.end() || it->second.pid || it->second.error) return;
+    Driver& d = it->second;
+    if (m.sha256 != d.start.sha256 || m.offset != d.received) return;  // not the piece asked for
+    try {
+      if (m.error) throw Error(*m.error);
+      {
+        std::ofstream out(part_file(d), std::ios::binary | std::ios::app);
+        out.write(reinterpret_cast<const char*>(m.bytes.data.data()),
+                  static_cast<std::streamsize>(m.bytes.data.size()));
+        if (!out)
+          throw Error(fmt::format("cannot write {}: check --cache-dir", part_file(d).string()));
+      }
+      d.received += static_cast<std::int64_t>(m.bytes.data.size());
+      if (d.received > d.start.size)
+        throw Error("the head sent more of the working directory than it holds");
+      if (!m.last) {
+        post(proto::NeedArchive{d.job, d.start.sha256, d.received});
+        return;
+      }
+      if (sha256_file(part_file(d)) != d.start.sha256)
+        throw Error(fmt::format("its working directory does not match sha256 {}", d.start.sha256));
+      fs::rename(part_file(d), archive(d.start.sha256));
+      launch_driver(d);
+    } catch (const std::exception& e) {
+      std::error_code ec;
+      fs::remove(part_file(d), ec);
+      driver_failed(d, e.what());
+    }
+  }
+
+  // Unpacks the working directory and starts the supervisor, as the head does for a driver of
+  // its own (with --run-as, the working directory and key are the account's).
+  void launch_driver(Driver& d) {
+    namespace fs = std::filesystem;
+    const proto::DriverStart& m = d.start;
+    std::optional<Account> account;
+    if (o.run_as.enabled()) account = o.run_as.account_for(m.user);
+    jobs::unpack(archive(m.sha256), d.dir / "work");
+    const fs::path rel = fs::path(m.job_file).lexically_normal();
+    if (rel.empty() || rel.is_absolute() || *rel.begin() == "..")
+      throw Error(
+          fmt::format("the job file \"{}\" is not inside its working directory", m.job_file));
+    std::vector<std::string> key_args;
+    if (m.keys) {
+      transport::write_keypair(d.dir / "driver",
+                               transport::KeyPair{m.keys->public_key, m.keys->secret_key},
+                               fmt::format("the driver of job {}", m.job), false);
+      key_args = {"--key", (d.dir / "driver" / "twinkle.key").string(), "--head-key",
+                  m.keys->server_key};
+    }
+    if (account) {
+      give_tree(d.dir / "work", *account);
+      if (m.keys) give_tree(d.dir / "driver", *account);
+      fs::permissions(d.dir, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+    }
+    std::vector<std::string> argv = {
+        o.exe.string(),  "supervise",
+        "--job-dir",     d.dir.string(),
+        "--work-dir",    (d.dir / "work").string(),
+        "--max-retries", std::to_string(std::max(0, m.max_retries)),
+        "--log-cap",     std::to_string(std::max<std::int64_t>(m.log_cap, 4096)),
+        "--stop-grace",  fmt::format("{}", m.stop_grace_s)};
+    if (m.resume_on_retry) argv.push_back("--resume-on-retry");
+    if (account) argv.insert(argv.end(), {"--user", account->name});
+    argv.insert(argv.end(), {"--", o.exe.string(), "run", (d.dir / "work" / rel).string(),
+                             "--address", o.address});
+    for (const auto& x : m.sets) argv.insert(argv.end(), {"--set", x});
+    argv.insert(argv.end(), key_args.begin(), key_args.end());
+    d.pid = jobs::start_supervisor(argv, m.job, m.user, m.name);
+    d.pid_start = jobs::process_start(d.pid);
+    if (!jobs::write_atomic(d.dir / "supervisor", fmt::format("{} {}\n", d.pid, d.pid_start)))
+      log(fmt::format("job {}: cannot write {}", m.job, (d.dir / "supervisor").string()));
+    log(fmt::format("job {} ({}) of {}: its driver started here (supervisor pid {}{})", m.job,
+                    m.name, m.user, d.pid, account ? ", as " + account->name : ""));
+    d.start = proto::DriverStart{};
+    send_status(d);
+  }
+
+  void driver_failed(Driver& d, const std::string& why) {
+    log(fmt::format("job {}: cannot start its driver here: {}", d.job, why));
+    d.error = why;
+    send_status(d);
+  }
+
+  bool supervisor_alive(const Driver& d) const {
+    return d.pid > 0 && jobs::process_start(d.pid) == d.pid_start;
+  }
+
+  // Tells the head how job `d`'s driver goes: the next piece of its log and, once all of the
+  // log is sent, its end.
+  void send_status(Driver& d) {
+    proto::DriverStatus st;
+    st.job = d.job;
+    st.error = d.error;
+    if (d.pid && d.shipped >= 0) {
+      const bool alive = supervisor_alive(d);
+      const auto exit = jobs::read_exit(d.dir);  // after `alive`: one written before its end
+      const auto piece = jobs::read_log(d.dir, d.shipped, kLogPiece);
+      st.offset = piece.offset;
+      st.log.data.assign(piece.bytes.begin(), piece.bytes.end());
+      if (auto at = jobs::read_attempt(d.dir)) st.attempt = at->attempt;
+      const bool all = piece.offset + static_cast<std::int64_t>(piece.bytes.size()) >= piece.end;
+      if (exit && all) {
+        st.exit = exit->code;
+        st.retries = exit->retries;
+      } else if (!exit && !alive) {
+        st.lost = true;
+      }
+    } else if (d.pid) {
+      st.offset = 0;  // asks where the head's copy of the log ends
+    }
+    if (!d.pid && !d.error) return;  // still fetching its working directory
+    d.waiting = true;
+    d.sent = std::chrono::steady_clock::now();
+    post(std::move(st));
+  }
+
+  void on_driver_ack(const proto::DriverAck& a) {
+    namespace fs = std::filesystem;
+    auto it = drivers.find(a.job);
+    if (it == drivers.end()) return;
+    Driver& d = it->second;
+    d.waiting = false;
+    if (a.done) {
+      // Ended and recorded, or no longer this node's: what is left of it goes.
+      log(fmt::format("job {}: its driver is done here", d.job));
+      forget_driver(it);
+      return;
+    }
+    d.shipped = std::max<std::int64_t>(a.log_end, 0);
+    if (a.signal && a.signal != d.signalled && supervisor_alive(d)) {
+      ::kill(d.pid, a.signal);
+      d.signalled = a.signal;
+      log(fmt::format("job {}: sent {} to its supervisor (the head asked)", d.job,
+                      a.signal == SIGTERM ? "SIGTERM (stop)" : "SIGUSR2 (kill now)"));
+    }
+    // More of the log waits, or its end: at once.
+    if (d.pid && (jobs::read_log(d.dir, d.shipped, 0).end > d.shipped || jobs::read_exit(d.dir)))
+      send_status(d);
+  }
+
+  // Kills what is left of a driver (its supervisor kills the driver at once on SIGUSR2) and
+  // removes its folder.
+  void forget_driver(std::map<std::int64_t, Driver>::iterator it) {
+    if (supervisor_alive(it->second)) ::kill(it->second.pid, SIGUSR2);
+    std::error_code ec;
+    std::filesystem::remove_all(it->second.dir, ec);
+    drivers.erase(it);
+  }
+
+  // Every beat: each driver's news (an unanswered status is sent again after a while).
+  void beat_drivers() {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [job, d] : drivers) {
+      if (!d.waiting || now - d.sent >= kStatusAgain) send_status(d);
+    }
+  }
+
+  // Drivers a previous agent of this node started: their supervisors live on; their news goes
+  // to the head again.
+  void adopt_drivers() {
+    namespace fs = std::filesystem;
+    // ID.STAMP, oldest first: of two starts of one job (one killed as the other began) the
+    // newer is kept.
+    std::vector<std::tuple<std::int64_t, std::int64_t, fs::path>> found;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(drivers_dir(), ec)) {
+      const std::string name = e.path().filename().string();
+      const auto dot = name.find('.');
+      if (dot == 0 || dot == std::string::npos || dot > 18 || name.size() - dot > 20 ||
+          name.find_first_not_of("0123456789.") != std::string::npos ||
+          name.find('.', dot + 1) != std::string::npos)
+        continue;
+      found.emplace_back(std::stoll(name.substr(dot + 1)), std::stoll(name.substr(0, dot)),
+                         e.path());
+    }
+    std::sort(found.begin(), found.end());
+    for (const auto& [stamp, job, dir] : found) {
+      if (auto older = drivers.find(job); older != drivers.end()) forget_driver(older);
+      std::ifstream in(dir / "supervisor");
+      Driver d;
+      if (!(in >> d.pid >> d.pid_start)) {
+        std::error_code rm;
+        fs::remove_all(dir, rm);  // never started
+        continue;
+      }
+      d.job = job;
+      d.dir = dir;
+      log(fmt::format("job {}: took up its driver again (supervisor pid {})", job, d.pid));
+      drivers[job] = std::move(d);
+    }
+  }
+
   void handle(Message& m) {
-    if (auto* launch = m.get<proto::Launch>()) {
+    if (auto* start = m.get<proto::DriverStart>()) {
+      on_driver_start(*start);
+    } else if (auto* part = m.get<proto::ArchivePart>()) {
+      on_archive_part(*part);
+    } else if (auto* ack = m.get<proto::DriverAck>()) {
+      on_driver_ack(*ack);
+    } else if (auto* launch = m.get<proto::Launch>()) {
       on_launch(*launch);
     } else if (auto* plugin = m.get<proto::PluginBytes>()) {
       on_plugin(*plugin);
@@ -477,9 +750,11 @@ Agent::Agent(AgentOptions options) : s_(std::make_unique<State>()) {
   if (welcome.error) throw ConfigError("the head refused this node: " + *welcome.error);
   s.log(fmt::format("node {} joined the cluster at {} (address {}, {} CPUs, {} GPUs)", s.o.node_id,
                     s.o.address, s.o.node_ip, s.resources.cpus, s.resources.gpus.size()));
+  s.adopt_drivers();
   s.link->start([&s](Message& m) { s.handle(m); },
                 [&s]() -> std::optional<Message> {
                   s.reap();
+                  s.beat_drivers();
                   return Message{0, s.heartbeat()};
                 });
 }

@@ -534,11 +534,20 @@ struct Head::State {
 
   // ----- the job service's view of the cluster -----------------------------------------------
 
-  // A submitted job's groups, and first its driver: it runs on the head's machine, and when that
-  // is a node it takes one of its CPUs.
-  std::vector<GroupDemand> with_driver(const std::vector<proto::GroupDemandEntry>& g) const {
+  // A submitted job's groups, and first its driver, which takes one CPU: on a node with its
+  // driver_labels, or, without them, on the head's machine (when that is a node).
+  std::vector<GroupDemand> with_driver(const std::vector<proto::GroupDemandEntry>& g,
+                                       const jobs::Labels& driver_labels) const {
     auto demands = to_demands(g);
-    if (!options.local_node.empty()) {
+    if (!driver_labels.empty()) {
+      GroupDemand d;
+      std::vector<std::string> text;
+      for (const auto& [k, v] : driver_labels) text.push_back(k + "=" + v);
+      d.name = fmt::format("the driver (driver_labels {})", fmt::join(text, ","));
+      d.workers = 1;
+      d.labels = driver_labels;
+      demands.insert(demands.begin(), std::move(d));
+    } else if (!options.local_node.empty()) {
       GroupDemand d;
       d.name = "the driver (on the head's node " + options.local_node + ")";
       d.workers = 1;
@@ -550,7 +559,8 @@ struct Head::State {
 
   // Would job demand `g` fit were the devices of `jobs` (their holds) and `runs` free?
   bool fits_without(const std::vector<proto::GroupDemandEntry>& g,
-                    const std::vector<std::int64_t>& jobs, const std::vector<std::string>& gone) {
+                    const jobs::Labels& driver_labels, const std::vector<std::int64_t>& jobs,
+                    const std::vector<std::string>& gone) {
     std::map<std::string, Run> kept;
     for (auto r = runs.begin(); r != runs.end();) {
       const bool free = std::find(gone.begin(), gone.end(), r->first) != gone.end() ||
@@ -564,7 +574,7 @@ struct Head::State {
     }
     bool fits = false;
     try {
-      fits = schedule(capacity(true), with_driver(g)).has_value();
+      fits = schedule(capacity(true), with_driver(g, driver_labels)).has_value();
     } catch (...) {
       runs.merge(kept);
       throw;
@@ -573,17 +583,19 @@ struct Head::State {
     return fits;
   }
 
-  std::optional<jobs::Refusal> hold(std::int64_t job,
-                                    const std::vector<proto::GroupDemandEntry>& g) {
-    auto demands = with_driver(g);
-    const bool driver_here = !options.local_node.empty();
+  std::optional<jobs::Refusal> hold(std::int64_t job, const std::vector<proto::GroupDemandEntry>& g,
+                                    const jobs::Labels& driver_labels, std::string* driver_node) {
+    auto demands = with_driver(g, driver_labels);
+    const bool driver_here = !options.local_node.empty() || !driver_labels.empty();
     std::string why;
     const std::string driver_note =
-        driver_here ? fmt::format(
-                          " (besides its workers, its driver takes one CPU of {}, the "
-                          "head's node, where it runs)",
-                          options.local_node)
-                    : "";
+        !driver_labels.empty()
+            ? " (besides its workers, its driver takes one CPU of a node with its driver_labels)"
+        : driver_here ? fmt::format(
+                            " (besides its workers, its driver takes one CPU of {}, the "
+                            "head's node, where it runs)",
+                            options.local_node)
+                      : "";
     if (!schedule(capacity(false), demands, &why))
       return jobs::Refusal{fmt::format("it does not fit the live nodes: {}{}; {}", why, driver_note,
                                        cluster_text(demands)),
@@ -600,7 +612,9 @@ struct Head::State {
           fmt::format("{}{}; held by {}", why, driver_note, fmt::join(holders, ", ")), false};
     }
     if (driver_here) {
-      hold_driver(job);
+      const std::string node = slots->front().front().node;
+      if (!driver_labels.empty() && driver_node) *driver_node = node;
+      hold_driver(job, node);
       slots->erase(slots->begin());
       demands.erase(demands.begin());
     }
@@ -615,10 +629,12 @@ struct Head::State {
     return std::nullopt;
   }
 
-  // The CPU of job `job`'s driver on the head's node (when the head has one), held until the job
-  // ends; also taken again for a job that already runs when a restarted head meets it.
-  void hold_driver(std::int64_t job) {
-    if (options.local_node.empty() || runs.count(driver_id(job))) return;
+  // The CPU of job `job`'s driver on `node` ("": the head's node, when the head has one), held
+  // until the job ends; also taken again for a job that already runs when a restarted head
+  // meets it.
+  void hold_driver(std::int64_t job, std::string node) {
+    if (node.empty()) node = options.local_node;
+    if (node.empty() || runs.count(driver_id(job))) return;
     Run& d = runs[driver_id(job)];
     d.id = driver_id(job);
     d.job = fmt::format("job {} (its driver)", job);
@@ -626,7 +642,7 @@ struct Head::State {
     d.hold_job = job;
     d.driver_cpu = true;
     d.since = unix_now();
-    d.bundles = {Bundle{options.local_node, {}, 1}};
+    d.bundles = {Bundle{node, {}, 1}};
   }
 
   void start_jobs() {
@@ -646,20 +662,32 @@ struct Head::State {
       so.exe = options.exe;
       so.log = options.log;
       jobs::ClusterView view;
-      view.hold = [this](std::int64_t job, const std::vector<proto::GroupDemandEntry>& g) {
-        return hold(job, g);
-      };
+      view.hold = [this](std::int64_t job, const std::vector<proto::GroupDemandEntry>& g,
+                         const jobs::Labels& labels,
+                         std::string* node) { return hold(job, g, labels, node); };
       view.unhold = [this](std::int64_t job) {
         runs.erase(hold_id(job));
         runs.erase(driver_id(job));
       };
       view.release_run = [this](const std::string& run) { on_release(run); };
       view.run_known = [this](const std::string& run) { return runs.count(run) > 0; };
-      view.hold_driver = [this](std::int64_t job) { hold_driver(job); };
+      view.hold_driver = [this](std::int64_t job, const std::string& node) {
+        hold_driver(job, node);
+      };
       view.fits_without = [this](const std::vector<proto::GroupDemandEntry>& g,
-                                 const std::vector<std::int64_t>& jobs,
+                                 const jobs::Labels& labels, const std::vector<std::int64_t>& jobs,
                                  const std::vector<std::string>& gone) {
-        return fits_without(g, jobs, gone);
+        return fits_without(g, labels, jobs, gone);
+      };
+      view.send_node = [this](const std::string& node, const Message& m) {
+        auto n = nodes.find(node);
+        if (n == nodes.end() || !n->second.alive) return false;
+        send(n->second.identity, m);
+        return true;
+      };
+      view.node_alive = [this](const std::string& node) {
+        auto n = nodes.find(node);
+        return n != nodes.end() && n->second.alive;
       };
       // Each submitted job's driver has a key of its own, admitted while the job runs.
       view.admit_driver = [this](std::int64_t job, const std::string& key) {
@@ -810,6 +838,19 @@ struct Head::State {
             }
           } else if constexpr (std::is_same_v<T, proto::Launch>) {
             on_launch(from, user, m, b);
+          } else if constexpr (std::is_same_v<T, proto::DriverStatus> ||
+                               std::is_same_v<T, proto::NeedArchive>) {
+            // From the agent of the node a job's driver runs on (the job service checks that
+            // it is that job's node).
+            const Node* n = node_by_identity(from);
+            if (!n || !n->alive || !jobs) {
+              drops.drop(fmt::format("a {} message from {}, which is no live node",
+                                     transport::to_string(T::kType), from.substr(0, 64)));
+            } else if constexpr (std::is_same_v<T, proto::DriverStatus>) {
+              send(from, Message{0, jobs->driver_status(n->id, b)});
+            } else {
+              send(from, Message{0, jobs->archive_part(n->id, b)});
+            }
           } else if constexpr (std::is_same_v<T, proto::PluginBytes> ||
                                std::is_same_v<T, proto::StopJob>) {
             auto r = runs.find(b.run);

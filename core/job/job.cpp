@@ -393,7 +393,7 @@ class JobReader {
     check_keys(t, "job",
                {"name", "mode", "plugin", "driver", "seed", "timeout_s", "collectives", "address",
                 "nproc_per_node", "queue_timeout_s", "placement", "launcher", "checkpoint_dir",
-                "checkpoint_keep", "resume", "stop_grace_s", "preemptible"});
+                "checkpoint_keep", "resume", "stop_grace_s", "preemptible", "driver_labels"});
     job.name = job.file.stem().string();
     if (auto n = t.get("name")) {
       job.name = get_string(*n, "job.name");
@@ -472,6 +472,12 @@ class JobReader {
              "false (it never borrows)");
       }
       job.preemptible = n->value<bool>().value_or(true);
+    }
+    if (auto n = t.get("driver_labels")) {
+      for (const auto& [k, v] : get_table(*n, "job.driver_labels")) {
+        job.driver_labels[std::string(k.str())] =
+            get_string(v, "job.driver_labels." + std::string(k.str()));
+      }
     }
     read_checkpoints(t, job);
     if (auto n = t.get("launcher")) {

@@ -97,6 +97,9 @@ struct Job {
   // A submitted job on a cluster with quotas (docs/ARCHITECTURE.md, Teams and quotas): false,
   // it never runs beyond its team's quota, so it is never preempted.
   bool preemptible = true;
+  // A submitted job's driver runs on a node that carries all of these labels (its agent starts
+  // it); empty: on the head's machine. `twinkle run` runs the driver where it is typed.
+  std::map<std::string, std::string> driver_labels;
   std::vector<GroupSpec> groups;
   Value args = Value::map();  // [args], free-form
   std::optional<NotifySpec> notify;

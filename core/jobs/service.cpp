@@ -14,8 +14,6 @@
 #include <regex>
 #include <set>
 
-extern char** environ;
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -37,7 +35,8 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr std::size_t kLogPiece = 1 << 20;  // bytes of log per answer
+constexpr std::size_t kLogPiece = 1 << 20;       // bytes of log per answer
+constexpr std::int64_t kArchivePiece = 4 << 20;  // bytes of a working directory per archive_part
 constexpr int kSummaryLines = 20;
 // After a head restart, an interactive run that no agent reports within this is gone.
 constexpr auto kAdoptionGrace = std::chrono::seconds(10);
@@ -121,7 +120,12 @@ proto::JobEntry to_entry(const JobRecord& j) {
   e.preemptions = j.preemptions;
   e.preempted_by = j.preempted_by;
   e.restarts = j.restarts;
+  e.driver_node = j.driver_node;
   return e;
+}
+
+Labels labels_of(const JobRecord& j) {
+  return nlohmann::json::parse(j.driver_labels).get<Labels>();
 }
 
 }  // namespace
@@ -137,6 +141,10 @@ struct JobService::State {
   std::map<std::string, std::int64_t> uploading;
   ShareMeter shares;
   std::map<std::int64_t, std::string> driver_keys;  // job -> its driver's admitted public key
+  // Drivers on nodes: the signal each one's supervisor is to get with the next driver_ack
+  // (SIGTERM, SIGUSR2), and since when a job's driver node is not live.
+  std::map<std::int64_t, int> driver_signals;
+  std::map<std::int64_t, Clock::time_point> node_gone;
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -336,6 +344,7 @@ struct JobService::State {
       j.resume_on_retry = !job.checkpoint_dir.empty();
       j.stop_grace_s = job.stop_grace_s;
       j.preemptible = job.preemptible;
+      j.driver_labels = nlohmann::json(job.driver_labels).dump();
       if (auto why = never_fits(quota, Resources{j.gpus, j.cpus}, j.preemptible, o.quotas.file))
         throw ConfigError(*why);
     } catch (const std::exception& e) {
@@ -549,7 +558,7 @@ struct JobService::State {
     }
     j->stop_requested = unix_now();
     store->update(*j);
-    if (supervisor_alive(*j)) ::kill(j->supervisor_pid, s.now ? SIGUSR2 : SIGTERM);
+    signal_driver(*j, s.now ? SIGUSR2 : SIGTERM);
     if (s.now && !j->run.empty()) cluster.release_run(j->run);
     log(fmt::format("job {} stop{} requested by {}", j->id, s.now ? " --now" : "", user));
     a.text = s.now ? fmt::format("job {}: killed its driver and its workers", s.job)
@@ -565,6 +574,17 @@ struct JobService::State {
 
   static bool supervisor_alive(const JobRecord& j) {
     return j.supervisor_pid > 0 && process_start(j.supervisor_pid) == j.supervisor_start;
+  }
+
+  // Sends `sig` to the supervisor of `j`'s driver: here, or with the next driver_ack to the
+  // agent of its node (SIGUSR2, kill now, outranks SIGTERM).
+  void signal_driver(const JobRecord& j, int sig) {
+    if (!j.driver_node.empty()) {
+      int& pending = driver_signals[j.id];
+      if (pending != SIGUSR2) pending = sig;
+    } else if (supervisor_alive(j)) {
+      ::kill(j.supervisor_pid, sig);
+    }
   }
 
   // Adds the GPU-seconds of `j`'s latest start until `until` (a preempted job runs more than once).
@@ -614,7 +634,15 @@ struct JobService::State {
   void watch(JobRecord& j) {
     const fs::path dir = job_dir(j.id);
     auto exit = read_exit(dir);
-    if (!exit && !supervisor_alive(j)) {
+    if (!exit && !j.driver_node.empty()) {
+      // On a node: its agent writes what the supervisor's files say (driver_status). A node
+      // that is not live (declared DEAD, or not back within the grace after a head restart)
+      // took the driver with it.
+      if (cluster.node_alive && !cluster.node_alive(j.driver_node) &&
+          Clock::now() - started > kAdoptionGrace) {
+        return driver_lost(j, fmt::format("the node {} of its driver was lost", j.driver_node));
+      }
+    } else if (!exit && !supervisor_alive(j)) {
       exit = read_exit(dir);  // written just before it exited
       if (!exit) {
         finish(j, "FAILED",
@@ -701,7 +729,7 @@ struct JobService::State {
         AuditRecord{v.id, unix_now(), "head", "preempt", "",
                     fmt::format("for job {} of team {}, within its quota; team {} had borrowed",
                                 l.id, l.team, v.team)});
-    if (supervisor_alive(v)) ::kill(v.supervisor_pid, SIGTERM);
+    signal_driver(v, SIGTERM);
     log(fmt::format("job {} ({}, team {}) preempted for job {} (team {}): asked to stop", v.id,
                     v.name, v.team, l.id, l.team));
   }
@@ -726,6 +754,7 @@ struct JobService::State {
   // job's folder, whose files the head reads, stays this process's), and the supervisor starts
   // the driver as that account.
   void start(JobRecord& j) {
+    if (!j.driver_node.empty()) return start_on_node(j);
     const fs::path dir = job_dir(j.id);
     std::optional<Account> account;
     if (o.run_as.enabled()) account = o.run_as.account_for(j.user);
@@ -765,58 +794,13 @@ struct JobService::State {
     if (account) argv.insert(argv.end(), {"--user", account->name});
     // The job file by its full path: the driver's command line names the job's folder.
     argv.insert(argv.end(), {"--", o.exe.string(), "run", (dir / "work" / j.job_file).string(),
-                             "--address", o.head_address, "--set", "job.mode=remote"});
-    for (const auto& x : nlohmann::json::parse(j.overrides)) {
-      argv.push_back("--set");
-      argv.push_back(x.get<std::string>());
-    }
-    // A preempted job resumes where its checkpoint left it.
-    if (j.preemptions > 0 && j.resume_on_retry)
-      argv.insert(argv.end(), {"--set", "job.resume=auto"});
+                             "--address", o.head_address});
+    for (const auto& x : driver_sets(j)) argv.insert(argv.end(), {"--set", x});
     argv.insert(argv.end(), key_args.begin(), key_args.end());
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    // The environment is made here: between fork and exec only async-signal-safe calls.
-    std::vector<std::string> env_text = {fmt::format("TWINKLE_JOB_ID={}", j.id),
-                                         "TWINKLE_JOB_USER=" + j.user,
-                                         "TWINKLE_JOB_NAME=" + j.name};
-    for (char** e = environ; *e; ++e) {
-      const std::string_view v(*e);
-      if (v.rfind("TWINKLE_JOB_", 0) == 0 || v.rfind("TWINKLE_ADDRESS=", 0) == 0) continue;
-      env_text.emplace_back(v);
-    }
-    std::vector<char*> envp;
-    for (auto& e : env_text) envp.push_back(e.data());
-    envp.push_back(nullptr);
     std::error_code ec;
     fs::remove(dir / "exit", ec);
     fs::remove(dir / "attempt", ec);
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0) throw Error("cannot create a pipe to start a job");
-    Fd from(fds[0]);
-    Fd to(fds[1]);
-    const pid_t child = fork();
-    if (child < 0) throw Error("cannot fork to start a job");
-    if (child == 0) {
-      setsid();
-      const pid_t grandchild = fork();
-      if (grandchild == 0) {
-        const int null = ::open("/dev/null", O_RDWR);
-        dup2(null, 0);
-        dup2(null, 1);
-        dup2(null, 2);
-        execve(args[0], args.data(), envp.data());
-        _exit(127);
-      }
-      (void)!::write(to.get(), &grandchild, sizeof grandchild);
-      _exit(0);
-    }
-    to.reset();
-    pid_t pid = -1;
-    (void)!::read(from.get(), &pid, sizeof pid);
-    waitpid(child, nullptr, 0);
-    if (pid <= 0) throw Error("cannot start a job's supervisor");
+    const pid_t pid = start_supervisor(argv, j.id, j.user, j.name);
     j.supervisor_pid = pid;
     j.supervisor_start = process_start(pid);
     j.state = "RUNNING";
@@ -826,6 +810,93 @@ struct JobService::State {
     j.started = unix_now();
     store->update(j);
     log(fmt::format("job {} ({}) of {} started: supervisor pid {}", j.id, j.name, j.user, pid));
+  }
+
+  // What the driver of `j` runs with: `--set` each of these (its overrides, remote mode, and
+  // for a job that ran before, preempted or retried, its resume).
+  static std::vector<std::string> driver_sets(const JobRecord& j) {
+    std::vector<std::string> sets = {"job.mode=remote"};
+    for (const auto& x : nlohmann::json::parse(j.overrides)) sets.push_back(x.get<std::string>());
+    if ((j.preemptions > 0 || j.retry_base > 0) && j.resume_on_retry)
+      sets.push_back("job.resume=auto");
+    return sets;
+  }
+
+  // Starts `j`'s driver on its node (driver_labels): the node's agent fetches the working
+  // directory (archive_part), runs the supervisor there, and sends its log and its end
+  // (driver_status). The driver has a key of its own, as on the head.
+  void start_on_node(JobRecord& j) {
+    const fs::path dir = job_dir(j.id);
+    proto::DriverStart d;
+    d.job = j.id;
+    d.name = j.name;
+    d.user = j.user;
+    d.sha256 = j.sha256;
+    std::error_code ec;
+    d.size = static_cast<std::int64_t>(fs::file_size(upload(j.sha256), ec));
+    if (ec)
+      throw Error(fmt::format("the head no longer holds its working directory ({})", ec.message()));
+    d.job_file = j.job_file;
+    d.sets = driver_sets(j);
+    d.max_retries = std::max(0, j.max_retries - j.retry_base);
+    d.resume_on_retry = j.resume_on_retry;
+    d.log_cap = static_cast<std::int64_t>(o.log_cap);
+    d.stop_grace_s = j.stop_grace_s;
+    if (!o.head_public.empty()) {
+      const auto keys = transport::generate_keypair();
+      if (!write_atomic(dir / "driver.pub", keys.public_key + "\n"))
+        throw Error(fmt::format("cannot write {}", (dir / "driver.pub").string()));
+      admit_driver(j.id, keys.public_key);
+      d.keys = proto::RunKeys{keys.public_key, keys.secret_key, o.head_public};
+    }
+    for (const char* f : {"exit", "attempt", "log.remote"}) fs::remove(dir / f, ec);
+    if (!cluster.send_node || !cluster.send_node(j.driver_node, Message{0, std::move(d)}))
+      throw Error(fmt::format("node {}, chosen for its driver, is not live", j.driver_node));
+    driver_signals.erase(j.id);
+    j.supervisor_pid = 0;
+    j.supervisor_start = 0;
+    j.state = "RUNNING";
+    j.stop_requested = 0;
+    j.exit_code.reset();
+    j.reason = "";
+    j.started = unix_now();
+    store->update(j);
+    log(fmt::format("job {} ({}) of {} started: its driver on node {}", j.id, j.name, j.user,
+                    j.driver_node));
+  }
+
+  // The driver of `j` went with its node: the job goes back to the queue while it has retries
+  // (to resume from its newest checkpoint on another node), else it fails. Its key is revoked
+  // first, so that a driver the node may still run can do nothing more at the head.
+  void driver_lost(JobRecord& j, const std::string& why) {
+    forget_driver(j.id);
+    driver_signals.erase(j.id);
+    if (!j.run.empty() && cluster.run_known(j.run)) cluster.release_run(j.run);
+    if (j.retries >= j.max_retries || j.stop_requested) {
+      finish(j, "FAILED",
+             fmt::format("{}{}", why,
+                         j.max_retries ? fmt::format(" after {} retr{}", j.retries,
+                                                     j.retries == 1 ? "y" : "ies")
+                                       : std::string("; submit with --max-retries N to start "
+                                                     "it again elsewhere")));
+      return;
+    }
+    const auto now = unix_now();
+    count_span(j, now);
+    j.started = 0;
+    ++j.retries;
+    j.retry_base = j.retries;
+    j.state = "QUEUED";
+    j.reason = fmt::format("{}; retry {} of {}, {}", why, j.retries, j.max_retries,
+                           j.resume_on_retry ? "resuming from its newest checkpoint"
+                                             : "from the start (it has no checkpoint_dir)");
+    store->update(j);
+    cluster.unhold(j.id);
+    store->audit(
+        AuditRecord{j.id, now, "head", "retry", "",
+                    fmt::format("attempt {} of {}: {}", j.retries + 1, j.max_retries + 1, why)});
+    log(fmt::format("job {} ({}): {}; queued again (retry {} of {})", j.id, j.name, why, j.retries,
+                    j.max_retries));
   }
 
   // The jobs that hold devices now, as the teams' policy sees them.
@@ -928,7 +999,8 @@ struct JobService::State {
                                      : "first come, first served, priority aside");
         } else {
           const auto demand = demand_of(j);
-          if (auto refusal = cluster.hold(j.id, demand)) {
+          std::string driver_node;
+          if (auto refusal = cluster.hold(j.id, demand, labels_of(j), &driver_node)) {
             if (!refusal->never) first_waiting = j.id;
             reason = verdict.admission == Admission::borrow
                          ? fmt::format("waiting: {} ({})", verdict.reason, refusal->why)
@@ -937,6 +1009,7 @@ struct JobService::State {
               reason = reclaim(j, w, demand, held, running).value_or(reason);
           } else {
             try {
+              j.driver_node = driver_node;
               start(j);
               if (verdict.admission == Admission::borrow) {
                 j.reason = fmt::format(
@@ -997,7 +1070,7 @@ struct JobService::State {
       for (auto id : gone)
         if (auto r = running.find(id); r != running.end() && !r->second.run.empty())
           runs.push_back(r->second.run);
-      return cluster.fits_without && cluster.fits_without(demand, gone, runs);
+      return cluster.fits_without && cluster.fits_without(demand, labels_of(j), gone, runs);
     };
     const auto victims = preemption_victims(w, held, o.quotas, fits);
     if (!victims) return std::nullopt;
@@ -1145,8 +1218,7 @@ JobService::JobService(ServiceOptions options, ClusterView cluster)
     if (j.kind == "interactive") s_->interactive[j.run] = j.id;
     // A stop asked for (a preemption among them) whose signal a killed head may not have sent:
     // again (a supervisor that has it already ignores it).
-    if (j.kind == "submitted" && j.stop_requested && State::supervisor_alive(j))
-      ::kill(j.supervisor_pid, SIGTERM);
+    if (j.kind == "submitted" && j.stop_requested) s_->signal_driver(j, SIGTERM);
     // Its driver, which lives on, connects again with its key.
     if (j.kind == "submitted" && !s_->o.head_public.empty()) {
       try {
@@ -1268,7 +1340,8 @@ void JobService::tick() {
   try {
     for (auto& j : s.store->in_state("RUNNING")) {
       if (j.kind == "submitted") {
-        if (s.cluster.hold_driver) s.cluster.hold_driver(j.id);  // again after a head restart
+        // again after a head restart
+        if (s.cluster.hold_driver) s.cluster.hold_driver(j.id, j.driver_node);
         s.watch(j);
       } else if (Clock::now() - s.started > kAdoptionGrace && !s.cluster.run_known(j.run)) {
         s.interactive.erase(j.run);
@@ -1349,6 +1422,96 @@ void JobService::released(const std::string& run, bool lapsed,
     s.log(fmt::format("job service: {}", e.what()));
   }
   s.interactive.erase(it);
+}
+
+proto::DriverAck JobService::driver_status(const std::string& node, const proto::DriverStatus& st) {
+  State& s = *s_;
+  proto::DriverAck ack;
+  ack.job = st.job;
+  ack.done = true;  // unless it is this node's running job: the agent forgets it
+  try {
+    auto j = s.store->get(st.job);
+    if (!j || j->kind != "submitted" || j->state != "RUNNING" || j->driver_node != node) return ack;
+    const fs::path dir = s.job_dir(j->id);
+    // The log in the node's offsets: what is here already is not written twice (an answer lost,
+    // a restarted head).
+    std::int64_t have = 0;
+    {
+      std::ifstream in(dir / "log.remote");
+      in >> have;
+    }
+    const auto size = static_cast<std::int64_t>(st.log.data.size());
+    if (size > 0 && st.offset + size > have) {
+      const auto skip = static_cast<std::size_t>(std::max<std::int64_t>(0, have - st.offset));
+      append_log(dir, s.o.log_cap,
+                 std::string_view(reinterpret_cast<const char*>(st.log.data.data()) + skip,
+                                  st.log.data.size() - skip));
+      have = st.offset + size;
+      write_atomic(dir / "log.remote", fmt::format("{}\n", have));
+    }
+    ack.log_end = have;
+    if (st.attempt >= 0) {
+      auto at = read_attempt(dir);
+      if (!at || at->attempt != st.attempt)
+        write_atomic(dir / "attempt", fmt::format("{} 0\n", st.attempt));
+    }
+    if (st.error) {
+      s.finish(*j, "FAILED",
+               fmt::format("its driver could not start on node {}: {}", node, *st.error));
+    } else if (st.lost) {
+      s.finish(*j, "FAILED",
+               fmt::format("its supervisor on node {} ended without a word; the last lines are in "
+                           "`twinkle logs {}`",
+                           node, j->id));
+    } else if (st.exit) {
+      // Sent once the whole log is here: the end is recorded as the supervisor's own.
+      write_atomic(dir / "exit", fmt::format("{} {}\n", *st.exit, st.retries));
+      s.watch(*j);
+    } else {
+      ack.done = false;
+      s.watch(*j);  // its retries
+      if (auto sig = s.driver_signals.find(j->id); sig != s.driver_signals.end())
+        ack.signal = sig->second;
+    }
+    if (ack.done) s.driver_signals.erase(j->id);
+  } catch (const std::exception& e) {
+    ack.done = false;
+    s.log(fmt::format("job service: driver of job {} on node {}: {}", st.job, node, e.what()));
+  }
+  return ack;
+}
+
+proto::ArchivePart JobService::archive_part(const std::string& node,
+                                            const proto::NeedArchive& need) {
+  State& s = *s_;
+  proto::ArchivePart p;
+  p.job = need.job;
+  p.sha256 = need.sha256;
+  p.offset = need.offset;
+  const auto j = s.store->get(need.job);
+  if (!j || j->state != "RUNNING" || j->driver_node != node || j->sha256 != need.sha256) {
+    p.error = fmt::format("job {} has no driver to start on node {}", need.job, node);
+    return p;
+  }
+  std::ifstream in(s.upload(j->sha256), std::ios::binary);
+  std::error_code ec;
+  const auto size = static_cast<std::int64_t>(fs::file_size(s.upload(j->sha256), ec));
+  if (!in || ec || need.offset < 0 || need.offset > size) {
+    p.error = fmt::format("the head cannot read job {}'s working directory", need.job);
+    return p;
+  }
+  in.seekg(need.offset);
+  p.bytes.data.resize(
+      static_cast<std::size_t>(std::min<std::int64_t>(kArchivePiece, size - need.offset)));
+  in.read(reinterpret_cast<char*>(p.bytes.data.data()),
+          static_cast<std::streamsize>(p.bytes.data.size()));
+  if (!in) {
+    p.error = fmt::format("the head cannot read job {}'s working directory", need.job);
+    p.bytes.data.clear();
+    return p;
+  }
+  p.last = need.offset + static_cast<std::int64_t>(p.bytes.data.size()) == size;
+  return p;
 }
 
 std::string JobService::reload_quotas() {

@@ -31,26 +31,35 @@ struct Refusal {
   bool never = false;
 };
 
+using Labels = std::map<std::string, std::string>;
+
 // What the service needs of the head.
 struct ClusterView {
-  // Holds devices for job `id` until its driver reserves them; returns nullopt when held, else
-  // why it does not fit now.
+  // Holds devices for job `id` until its driver reserves them, and its driver's CPU: on a node
+  // with all of `driver_labels` (`driver_node` says which) or, without them, on the head's node
+  // when it has one. Returns nullopt when held, else why it does not fit now.
   std::function<std::optional<Refusal>(std::int64_t id,
-                                       const std::vector<proto::GroupDemandEntry>& demand)>
+                                       const std::vector<proto::GroupDemandEntry>& demand,
+                                       const Labels& driver_labels, std::string* driver_node)>
       hold;
   std::function<void(std::int64_t id)> unhold;
   // Stops the workers of `run` at once and frees its devices.
   std::function<void(const std::string& run)> release_run;
   // True while the head has a reservation for `run`.
   std::function<bool(const std::string& run)> run_known;
-  // The CPU a running job's driver takes on the head's node (nothing when held already, or when
-  // the head's machine is no node).
-  std::function<void(std::int64_t id)> hold_driver;
+  // The CPU a running job's driver takes on `node` ("": the head's node; nothing when held
+  // already, or when the head's machine is no node).
+  std::function<void(std::int64_t id, const std::string& node)> hold_driver;
   // Would `demand` (and its driver) fit now were the devices of these jobs (their holds) and
   // these runs free? Nothing is held.
   std::function<bool(const std::vector<proto::GroupDemandEntry>& demand,
-                     const std::vector<std::int64_t>& jobs, const std::vector<std::string>& runs)>
+                     const Labels& driver_labels, const std::vector<std::int64_t>& jobs,
+                     const std::vector<std::string>& runs)>
       fits_without;
+  // Sends `m` to the agent of `node`; false when it is not a live node.
+  std::function<bool(const std::string& node, const Message& m)> send_node;
+  // Whether `node` is a live node now.
+  std::function<bool(const std::string& node)> node_alive;
   // Admits the key of job `id`'s driver (its connections are named driver_name(id)) / no more.
   std::function<void(std::int64_t id, const std::string& public_key)> admit_driver;
   std::function<void(const std::string& public_key)> revoke_driver;
@@ -120,6 +129,12 @@ class JobService {
   // The driver of `run` says that its groups have restarted `count` times so far (after lost
   // workers; max_restarts): its job counts them, and an audit record says so.
   void restarted(const std::string& run, int count);
+
+  // Drivers on nodes (docs/ARCHITECTURE.md, Drivers on nodes), from the agent of `node`: how the
+  // driver of a job it runs goes (its log, its end), answered with what the head holds and
+  // wants; and a piece of a job's working directory for it.
+  proto::DriverAck driver_status(const std::string& node, const proto::DriverStatus& status);
+  proto::ArchivePart archive_part(const std::string& node, const proto::NeedArchive& need);
 
   // The user of job `id`; nullopt when the history has no such job.
   std::optional<std::string> user_of(std::int64_t id) const;

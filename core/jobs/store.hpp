@@ -50,6 +50,10 @@ struct JobRecord {
   int run_restarts = 0;           // those of its latest run (what that run's driver last said)
   std::int64_t preempted_by = 0;  // the job whose team reclaimed its devices last (0 none)
   int retry_base = 0;             // driver retries before its latest start (after preemptions)
+  // Drivers on nodes (docs/ARCHITECTURE.md, Drivers on nodes): [job] driver_labels as a JSON
+  // object ("{}": the driver runs on the head's machine), and the node its latest start is on.
+  std::string driver_labels = "{}";
+  std::string driver_node;
 };
 
 struct AuditRecord {

@@ -22,6 +22,8 @@
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
+extern char** environ;
+
 namespace twinkle::core::jobs {
 
 namespace fs = std::filesystem;
@@ -100,6 +102,59 @@ class LogWriter {
   std::uint64_t size_ = 0;
   Fd fd_;
 };
+
+}  // namespace
+
+int start_supervisor(const std::vector<std::string>& argv, std::int64_t id, const std::string& user,
+                     const std::string& name) {
+  std::vector<std::string> argv_text = argv;
+  std::vector<char*> args;
+  for (auto& a : argv_text) args.push_back(a.data());
+  args.push_back(nullptr);
+  // The environment is made here: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> env_text = {fmt::format("TWINKLE_JOB_ID={}", id),
+                                       "TWINKLE_JOB_USER=" + user, "TWINKLE_JOB_NAME=" + name};
+  for (char** e = environ; *e; ++e) {
+    const std::string_view v(*e);
+    if (v.rfind("TWINKLE_JOB_", 0) == 0 || v.rfind("TWINKLE_ADDRESS=", 0) == 0) continue;
+    env_text.emplace_back(v);
+  }
+  std::vector<char*> envp;
+  for (auto& e : env_text) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw Error("cannot create a pipe to start a job");
+  Fd from(fds[0]);
+  Fd to(fds[1]);
+  const pid_t child = fork();
+  if (child < 0) throw Error("cannot fork to start a job");
+  if (child == 0) {
+    setsid();
+    const pid_t grandchild = fork();
+    if (grandchild == 0) {
+      const int null = ::open("/dev/null", O_RDWR);
+      dup2(null, 0);
+      dup2(null, 1);
+      dup2(null, 2);
+      execve(args[0], args.data(), envp.data());
+      _exit(127);
+    }
+    (void)!::write(to.get(), &grandchild, sizeof grandchild);
+    _exit(0);
+  }
+  to.reset();
+  pid_t pid = -1;
+  (void)!::read(from.get(), &pid, sizeof pid);
+  waitpid(child, nullptr, 0);
+  if (pid <= 0) throw Error("cannot start a job's supervisor");
+  return pid;
+}
+
+void append_log(const fs::path& job_dir, std::uint64_t cap, std::string_view bytes) {
+  LogWriter(job_dir, cap, std::nullopt).write(bytes.data(), bytes.size());
+}
+
+namespace {
 
 std::string stamp() {
   const std::time_t t = std::time(nullptr);

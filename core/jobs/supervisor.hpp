@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 // The process that runs a submitted job's driver (docs/ARCHITECTURE.md, Job service). The head
@@ -30,6 +31,13 @@ struct SuperviseOptions {
   std::string user;
 };
 
+// Starts `argv` (a `twinkle supervise` command) detached: its own session, not this process's
+// child, so that it lives on when this process is killed; its environment is this process's with
+// TWINKLE_JOB_ID, TWINKLE_JOB_USER and TWINKLE_JOB_NAME of job `id` (and no TWINKLE_ADDRESS).
+// Returns its pid; throws Error when it cannot.
+int start_supervisor(const std::vector<std::string>& argv, std::int64_t id, const std::string& user,
+                     const std::string& name);
+
 // Runs the driver until it succeeds, is stopped, or has failed max_retries + 1 times; returns
 // its last exit status.
 int supervise(const SuperviseOptions& o);
@@ -37,6 +45,10 @@ int supervise(const SuperviseOptions& o);
 // Writes `text` to `file` through a temporary name, so that a reader sees all of it or nothing;
 // false when it could not.
 bool write_atomic(const std::filesystem::path& file, const std::string& text);
+
+// Appends `bytes` to the job's log in `job_dir` (rotated as the supervisor rotates it, within
+// `cap`): the head's copy of the log of a driver on a node.
+void append_log(const std::filesystem::path& job_dir, std::uint64_t cap, std::string_view bytes);
 
 // The job's log as one byte stream across rotation.
 struct LogPiece {

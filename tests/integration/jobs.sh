@@ -187,6 +187,15 @@ until_reason() {
   done
 }
 
+# until_epoch ID N SECONDS: until job ID's log has its epoch N.
+until_epoch() {
+  local deadline=$((SECONDS + $3))
+  until "$TWK" logs "$1" --grep "^epoch $2 " --address "$ADDR" "${MEMBER[@]}" | grep -q epoch; do
+    [ $SECONDS -lt $deadline ] || fail "job $1 did not reach epoch $2 in $3 s"
+    sleep 0.1
+  done
+}
+
 final_loss() { sed -n 's/^final loss: //p' "$1"; }
 same_loss() {
   python3 -c "import sys; a,b=float('$1'),float('$2'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
@@ -467,6 +476,73 @@ case "$CASE" in
     [ "$(ls "$STATE/uploads" | wc -l)" -eq 1 ] || { ls "$STATE/uploads"; fail "the pruned job's archive is left"; }
     run 1 "$TWK" job show "$a" --address "$ADDR"
     expect_err "no job $a in this cluster's history"
+    ;;
+
+    driver_labels)
+    # [job] driver_labels: a submitted job's driver runs on a node with those labels (its agent
+    # fetches the working directory and starts it), and its log, its end and `twinkle stop` go
+    # through that agent. A job no node can take waits, saying why. The driver's node lost
+    # mid-run: with --max-retries the job starts again on another such node and resumes from
+    # its checkpoint (in a folder both nodes see), ending with the uninterrupted run's loss.
+    # On a cluster with keys: the driver on a node has a key of its own, as on the head.
+    team_keys
+    start_head "${KEYED[@]}"
+    MEMBER=($(as alice))
+    start_agent w1 --cpus 4 --labels role=work $(as node)
+    digits_dir ref 30
+    run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
+    want=$(final_loss "$TMP/out")
+    digits_dir d 30 'driver_labels = { role = "driver" }'
+    id=$(submit_id "$TMP/d/job.toml")
+    until_reason "$id" "the driver (driver_labels role=driver)" 10
+    [ "$(job_field "$id" state)" = QUEUED ] || fail "a job whose driver fits no node should wait"
+    start_agent d1 --cpus 1 --labels role=driver $(as node)
+    wait_state "$id" SUCCEEDED 60
+    [ "$(job_field "$id" driver_node)" = d1 ] || fail "driver_node: $(job_field "$id" driver_node), expected d1"
+    run 0 "$TWK" job show "$id" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "driver     on node d1"
+    run 0 "$TWK" logs "$id" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "twinkle job: the driver (attempt 1, pid"
+    same_loss "$(final_loss "$TMP/out")" "$want"
+    [ "$(grep -c '^epoch [0-9]*  loss' "$TMP/out")" -eq 30 ] || { cat "$TMP/out"; fail "the log lacks epochs, or has some twice"; }
+    grep -q "job $id (digits) of alice: its driver started here" "$TMP/agent-d1.log" ||
+      { cat "$TMP/agent-d1.log"; fail "the driver did not start on d1"; }
+    wait_for "$TMP/agent-d1.log" "job $id: its driver is done here" 10
+    [ -z "$(ls -A "$TMP/cache-d1/drivers")" ] || { ls -la "$TMP/cache-d1/drivers"; fail "d1 kept the driver's folder"; }
+
+    # `twinkle stop` reaches a driver on a node: a checkpoint, exit 75, STOPPED.
+    digits_dir s 100000 "checkpoint_dir = \"$TMP/ck-s\"\ndriver_labels = { role = \"driver\" }"
+    id=$(submit_id "$TMP/s/job.toml")
+    wait_state "$id" RUNNING 20
+    until_epoch "$id" 3 60
+    run 0 "$TWK" stop "$id" --address "$ADDR" "${MEMBER[@]}"
+    wait_state "$id" STOPPED 60
+    [ "$(job_field "$id" exit_code)" = 75 ] || fail "exit code $(job_field "$id" exit_code), expected 75"
+    run 0 "$TWK" logs "$id" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "stopped on request (SIGTERM) after the checkpoint of step"
+
+    # The driver's node lost: another node with the labels takes it, from its checkpoint.
+    start_agent d2 --cpus 1 --labels role=driver $(as node)
+    digits_dir lref 400
+    run 0 "$TWK" run --quiet "$TMP/lref/job.toml"
+    want=$(final_loss "$TMP/out")
+    digits_dir l 400 "checkpoint_dir = \"$TMP/ck-l\"\ndriver_labels = { role = \"driver\" }"
+    id=$(submit_id "$TMP/l/job.toml" --max-retries 1)
+    wait_state "$id" RUNNING 20
+    until_epoch "$id" 5 60
+    lost=$(job_field "$id" driver_node)
+    case "$lost" in d1) other=d2 ;; d2) other=d1 ;; *) fail "driver_node: \"$lost\"" ;; esac
+    # The node goes as a machine would: its agent and everything it started.
+    pkill -KILL -f -- "--node-id $lost " || fail "no agent of $lost"
+    pkill -KILL -f -- "$TMP/cache-$lost/"
+    wait_state "$id" SUCCEEDED 120
+    [ "$(job_field "$id" driver_node)" = "$other" ] || fail "driver_node: $(job_field "$id" driver_node), expected $other"
+    [ "$(job_field "$id" retries)" = 1 ] || fail "retries: $(job_field "$id" retries), expected 1"
+    run 0 "$TWK" job show "$id" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "attempt 2 of 2: the node $lost of its driver was lost"
+    run 0 "$TWK" logs "$id" --address "$ADDR" "${MEMBER[@]}"
+    expect_out "resumed after epoch"
+    same_loss "$(final_loss "$TMP/out")" "$want"
     ;;
 
     driver_cpu)

@@ -94,6 +94,17 @@ TEST_CASE("defaults", "[job]") {
   CHECK(job.groups[0].mesh.dims().size() == 1);
   CHECK(job.groups[0].mesh.size("dp") == 3);
   CHECK_FALSE(job.notify);
+  CHECK(job.driver_labels.empty());
+}
+
+TEST_CASE("driver_labels choose the node of a submitted job's driver", "[job]") {
+  const std::string group = "[[group]]\nname = \"g\"\nranks = 1\n";
+  Job job = parse(kJob + "driver_labels = { role = \"driver\", zone = \"a\" }\n" + group);
+  CHECK(job.driver_labels == std::map<std::string, std::string>{{"role", "driver"}, {"zone", "a"}});
+  CHECK_THAT(error_of(kJob + "driver_labels = \"role=driver\"\n" + group),
+             Catch::StartsWith("jobs/job.toml:4:"));
+  CHECK_THAT(error_of(kJob + "driver_labels = { role = 1 }\n" + group),
+             Catch::Contains("job.driver_labels.role"));
 }
 
 TEST_CASE("checkpoint keys", "[job]") {

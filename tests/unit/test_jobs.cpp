@@ -72,6 +72,8 @@ TEST_CASE("the job history keeps jobs and audit records across a reopen", "[jobs
     j.state = "SUCCEEDED";
     j.exit_code = 0;
     j.placement = R"([{"group":"model","rank":0,"node":"n1","gpus":[0]}])";
+    j.driver_labels = R"({"role":"driver"})";
+    j.driver_node = "d1";
     s.update(j);
     s.audit(AuditRecord{a, 100, "alice", "submit", "laptop", "first"});
     s.audit(AuditRecord{a, 101, "bob", "stop refused", "desk", "not the owner"});
@@ -84,6 +86,10 @@ TEST_CASE("the job history keeps jobs and audit records across a reopen", "[jobs
   REQUIRE(j->exit_code);
   CHECK(*j->exit_code == 0);
   CHECK(j->placement.find("\"n1\"") != std::string::npos);
+  CHECK(j->driver_labels == R"({"role":"driver"})");
+  CHECK(j->driver_node == "d1");
+  CHECK(s.get(b)->driver_labels == "{}");  // the driver on the head's machine
+  CHECK(s.get(b)->driver_node.empty());
   CHECK_FALSE(s.get(b)->exit_code);
   const auto audit = s.audit_of(a);
   REQUIRE(audit.size() == 2);

@@ -64,6 +64,11 @@ const char* to_string(MsgType t) {
     case MsgType::dashboard_grant: return "dashboard_grant";
     case MsgType::quotas_query: return "quotas_query";
     case MsgType::quotas_info: return "quotas_info";
+    case MsgType::driver_start: return "driver_start";
+    case MsgType::need_archive: return "need_archive";
+    case MsgType::archive_part: return "archive_part";
+    case MsgType::driver_status: return "driver_status";
+    case MsgType::driver_ack: return "driver_ack";
   }
   return "unknown";
 }

@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 10;
+inline constexpr std::uint16_t kProtocolVersion = 11;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -84,6 +84,12 @@ enum class MsgType : std::uint16_t {
   // Teams and quotas (docs/ARCHITECTURE.md, Teams and quotas).
   quotas_query = 53,
   quotas_info = 54,
+  // a submitted job's driver on a node (driver_labels)
+  driver_start = 55,
+  need_archive = 56,
+  archive_part = 57,
+  driver_status = 58,
+  driver_ack = 59,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -909,6 +915,7 @@ struct JobEntry {
   std::vector<AuditEntry> audit;
   std::optional<std::string> job_text;  // its job file (submitted jobs), for the topology
   std::optional<std::string> sha256;    // its working directory's archive, while the head has it
+  std::string driver_node;  // a submitted job's driver ran on this node ("": the head's machine)
   static constexpr auto fields() {
     return std::tuple{field("id", &JobEntry::id),
                       field("name", &JobEntry::name),
@@ -942,7 +949,8 @@ struct JobEntry {
                       field("summary", &JobEntry::summary),
                       field("audit", &JobEntry::audit),
                       field("job_text", &JobEntry::job_text),
-                      field("sha256", &JobEntry::sha256)};
+                      field("sha256", &JobEntry::sha256),
+                      field("driver_node", &JobEntry::driver_node)};
   }
 };
 
@@ -1082,12 +1090,108 @@ struct QuotasInfo {
   }
 };
 
+// ----- a submitted job's driver on a node (docs/ARCHITECTURE.md, Drivers on nodes) ----------
+
+// head -> agent: run job `job`'s driver here (its supervisor, detached, as on the head).
+struct DriverStart {
+  static constexpr MsgType kType = MsgType::driver_start;
+  std::int64_t job = 0;
+  std::string name, user;         // user: the member it runs for, which --run-as maps to an account
+  std::string sha256;             // its working directory's archive
+  std::int64_t size = 0;          // the archive's bytes
+  std::string job_file;           // inside the working directory
+  std::vector<std::string> sets;  // the driver's --set SECTION.KEY=VALUE, in order
+  int max_retries = 0;
+  bool resume_on_retry = false;
+  std::int64_t log_cap = 0;
+  double stop_grace_s = 0;
+  std::optional<RunKeys> keys;  // the driver's own key pair and the head's public key
+  static constexpr auto fields() {
+    return std::tuple{field("job", &DriverStart::job),
+                      field("name", &DriverStart::name),
+                      field("user", &DriverStart::user),
+                      field("sha256", &DriverStart::sha256),
+                      field("size", &DriverStart::size),
+                      field("job_file", &DriverStart::job_file),
+                      field("sets", &DriverStart::sets),
+                      field("max_retries", &DriverStart::max_retries),
+                      field("resume_on_retry", &DriverStart::resume_on_retry),
+                      field("log_cap", &DriverStart::log_cap),
+                      field("stop_grace_s", &DriverStart::stop_grace_s),
+                      field("keys", &DriverStart::keys)};
+  }
+};
+
+// agent -> head: the next piece of job `job`'s working directory archive, from `offset`.
+struct NeedArchive {
+  static constexpr MsgType kType = MsgType::need_archive;
+  std::int64_t job = 0;
+  std::string sha256;
+  std::int64_t offset = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &NeedArchive::job), field("sha256", &NeedArchive::sha256),
+                      field("offset", &NeedArchive::offset)};
+  }
+};
+
+// head -> agent.
+struct ArchivePart {
+  static constexpr MsgType kType = MsgType::archive_part;
+  std::int64_t job = 0;
+  std::string sha256;
+  std::int64_t offset = 0;
+  Bytes bytes;
+  bool last = false;
+  std::optional<std::string> error;  // the head cannot send it (the job is gone)
+  static constexpr auto fields() {
+    return std::tuple{field("job", &ArchivePart::job),       field("sha256", &ArchivePart::sha256),
+                      field("offset", &ArchivePart::offset), field("bytes", &ArchivePart::bytes),
+                      field("last", &ArchivePart::last),     field("error", &ArchivePart::error)};
+  }
+};
+
+// agent -> head, while it keeps a job's driver: its log from `offset` (bytes into the log the
+// supervisor writes on the node), how it goes, and at last how it ended.
+struct DriverStatus {
+  static constexpr MsgType kType = MsgType::driver_status;
+  std::int64_t job = 0;
+  std::int64_t offset = 0;
+  Bytes log;
+  int attempt = -1;                  // the supervisor's attempt (0 first; -1 not started yet)
+  std::optional<int> exit;           // its exit file: the driver's last exit status
+  int retries = 0;                   // with exit
+  bool lost = false;                 // its supervisor ended without an exit file
+  std::optional<std::string> error;  // it could not be started here
+  static constexpr auto fields() {
+    return std::tuple{field("job", &DriverStatus::job),   field("offset", &DriverStatus::offset),
+                      field("log", &DriverStatus::log),   field("attempt", &DriverStatus::attempt),
+                      field("exit", &DriverStatus::exit), field("retries", &DriverStatus::retries),
+                      field("lost", &DriverStatus::lost), field("error", &DriverStatus::error)};
+  }
+};
+
+// head -> agent: the log the head holds up to `log_end` (in the node's offsets); `signal` the
+// supervisor is to get (SIGTERM: stop; SIGUSR2: kill now; 0 none); `done`: the head recorded the
+// job's end (or the job is not this node's), so the agent forgets it (killing what is left).
+struct DriverAck {
+  static constexpr MsgType kType = MsgType::driver_ack;
+  std::int64_t job = 0;
+  std::int64_t log_end = 0;
+  int signal = 0;
+  bool done = false;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &DriverAck::job), field("log_end", &DriverAck::log_end),
+                      field("signal", &DriverAck::signal), field("done", &DriverAck::done)};
+  }
+};
+
 using Cluster =
     std::variant<NodeRegister, NodeWelcome, Heartbeat, Reregister, NodesQuery, NodesInfo, Reserve,
                  Reservation, Release, Lease, Launch, Launched, NeedPlugin, PluginBytes, StopJob,
                  Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart,
                  UploadState, Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
-                 DashboardLink, DashboardGrant, QuotasQuery, QuotasInfo>;
+                 DashboardLink, DashboardGrant, QuotasQuery, QuotasInfo, DriverStart, NeedArchive,
+                 ArchivePart, DriverStatus, DriverAck>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.

@@ -237,6 +237,7 @@ function job_info(p, j) {
   if (text === p.last) return;
   p.last = text;
   const about = [j.job_file ? `job file ${j.job_file}` : "",
+    j.kind === "submitted" ? `driver on ${j.driver_node ? "node " + j.driver_node : "the head's machine"}` : "",
     (j.overrides || []).length ? "overrides " + j.overrides.join(" ") : "",
     j.sha256 ? `sha256 ${j.sha256}` : ""].filter((s) => s);
   p.summary.replaceChildren(el("h2", {}, `Job ${j.id}: ${j.name}`),
