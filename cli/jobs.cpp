@@ -468,6 +468,23 @@ int run_stop(const StopOptions& o) {
   return kExitOk;
 }
 
+struct ResumeOptions {
+  std::string job;
+  ClusterFlags cluster;
+};
+
+int run_resume(const ResumeOptions& o) {
+  Client c(o.cluster);
+  proto::JobResume r;
+  r.job = parse_job_id(o.job);
+  r.user = local_user();
+  r.from = host_name();
+  const auto a = c.ask<proto::JobAnswer>(r);
+  if (a.error) throw Error(*a.error);
+  fmt::print("{}\n", a.text);
+  return kExitOk;
+}
+
 // ----- quotas -----------------------------------------------------------------------------------
 
 struct QuotasOptions {
@@ -662,6 +679,13 @@ void setup_jobs(CLI::App& app, Action& action) {
   stop->add_flag("--now", sto->now, "Kill its driver and workers at once");
   add_job_flags(stop, sto->cluster);
   stop->callback([sto, &action] { action = [sto] { return run_stop(*sto); }; });
+
+  auto ro = std::make_shared<ResumeOptions>();
+  auto* resume = app.add_subcommand(
+      "resume", "Queue a STOPPED or FAILED job again, to go on from its newest checkpoint");
+  resume->add_option("id", ro->job, "The job's id")->required();
+  add_job_flags(resume, ro->cluster);
+  resume->callback([ro, &action] { action = [ro] { return run_resume(*ro); }; });
 
   auto qo = std::make_shared<QuotasOptions>();
   auto* quotas =

@@ -26,6 +26,7 @@ _twinkle_flags() {
       echo "--follow --rank --driver --grep --tail --address --key --head-key --insecure --help"
       ;;
     stop) echo "--now --address --key --head-key --insecure --help" ;;
+    resume) echo "--address --key --head-key --insecure --help" ;;
     quotas | "quotas reload") echo "--json --address --key --head-key --insecure --help" ;;
     dashboard) echo "--no-open --address --key --head-key --insecure --help" ;;
     keygen) echo "--out --name --force --help" ;;
@@ -102,8 +103,8 @@ _twinkle() {
   fi
   case $cmd in
     "")
-      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop quotas \
-        dashboard keygen" -- "$cur"))
+      COMPREPLY=($(compgen -W "run topology nodes node inspect submit jobs job logs stop resume \
+        quotas dashboard keygen" -- "$cur"))
       ;;
     node) COMPREPLY=($(compgen -W "start stop" -- "$cur")) ;;
     job) COMPREPLY=($(compgen -W "show" -- "$cur")) ;;

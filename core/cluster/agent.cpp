@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -61,10 +62,13 @@ struct Job {
 // end to the head, which answers each driver_status with a driver_ack.
 struct Driver {
   std::int64_t job = 0;
-  std::filesystem::path dir;  // cache_dir/drivers/ID
-  proto::DriverStart start;   // what the head asked, until the supervisor runs
-  std::int64_t received = 0;  // bytes of its working directory's archive so far
-  int pid = 0;                // its supervisor
+  std::int64_t token = 0;                       // the head's start (driver_start.token)
+  std::filesystem::path dir;                    // cache_dir/drivers/ID.STAMP
+  proto::DriverStart start;                     // what the head asked, until the supervisor runs
+  std::int64_t received = 0;                    // bytes of its working directory's archive so far
+  std::future<void> preparing;                  // its working directory being unpacked
+  std::chrono::steady_clock::time_point asked;  // the last need_archive
+  int pid = 0;                                  // its supervisor
   std::int64_t pid_start = 0;
   std::int64_t shipped = -1;  // the head holds its log up to here (-1: not asked yet)
   bool waiting = false;       // a driver_status is unanswered
@@ -77,6 +81,8 @@ struct Driver {
 // before it is sent again.
 constexpr std::int64_t kLogPiece = 1 << 20;
 constexpr auto kStatusAgain = std::chrono::seconds(3);
+// How long a piece of a working directory may take before it is asked for again.
+constexpr auto kArchiveAgain = std::chrono::seconds(15);
 
 }  // namespace
 
@@ -110,6 +116,8 @@ struct Agent::State {
   std::mutex mu;  // guards jobs
   std::map<std::string, std::unique_ptr<Job>> jobs;
   std::map<std::int64_t, Driver> drivers;  // by job id; the link's thread's alone
+  // Preparations of drivers forgotten meanwhile: their folders go once they have ended.
+  std::vector<std::pair<std::future<void>, std::filesystem::path>> leftovers;
   transport::DropLog drops{"the agent's link to the head",
                            [this](const std::string& l) { log(l); }};
 
@@ -433,9 +441,6 @@ struct Agent::State {
   // ----- drivers of submitted jobs (on the link's thread) ------------------------------------
 
   std::filesystem::path drivers_dir() const { return o.cache_dir / "drivers"; }
-  std::filesystem::path archive(const std::string& sha) const {
-    return o.cache_dir / "archives" / (sha + ".tar");
-  }
 
   void on_driver_start(proto::DriverStart& m) {
     namespace fs = std::filesystem;
@@ -444,6 +449,7 @@ struct Agent::State {
     if (auto old = drivers.find(m.job); old != drivers.end()) forget_driver(old);
     Driver& d = drivers[m.job];
     d.job = m.job;
+    d.token = m.token;
     // A folder of this start's own (ID.STAMP): an earlier supervisor that is still dying
     // writes nothing into it.
     d.dir =
@@ -453,84 +459,88 @@ struct Agent::State {
     d.shipped = 0;  // the head keeps nothing of an earlier start's log position
     try {
       if (o.run_as.enabled()) (void)o.run_as.account_for(d.start.user);  // refused before a byte
-      std::error_code ec;
-      fs::remove_all(d.dir, ec);
-      fs::create_directories(d.dir);
-      fs::permissions(d.dir, fs::perms::owner_all);
-      fs::create_directories(archive("x").parent_path());
-      if (fs::exists(archive(d.start.sha256), ec) &&
-          sha256_file(archive(d.start.sha256)) == d.start.sha256) {
-        return launch_driver(d);
-      }
-      fs::remove(part_file(d), ec);
-      post(proto::NeedArchive{d.job, d.start.sha256, 0});
+      fs::create_directories(drivers_dir());
+      fs::permissions(drivers_dir(),
+                      fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+      fs::create_directory(d.dir);
+      fs::permissions(d.dir, fs::perms::owner_all);  // its archive is nobody else's to read
+      ask_archive(d);
     } catch (const std::exception& e) {
       driver_failed(d, e.what());
     }
   }
 
-  std::filesystem::path part_file(const Driver& d) const {
-    return archive(d.start.sha256).string() + fmt::format(".{}.part", d.job);
+  // The next piece of `d`'s working directory; asked again when no answer comes for a while (a
+  // head that restarted meanwhile).
+  void ask_archive(Driver& d) {
+    d.asked = std::chrono::steady_clock::now();
+    post(proto::NeedArchive{d.job, d.start.sha256, d.received, d.token});
   }
 
+  static std::filesystem::path archive_of(const Driver& d) { return d.dir / "work.tar"; }
+
   void on_archive_part(const proto::ArchivePart& m) {
-    namespace fs = std::filesystem;
     auto it = drivers.find(m.job);
-    if (it == drivers.end() || it->second.pid || it->second.error) return;
+    if (it == drivers.end() || it->second.pid || it->second.error || it->second.preparing.valid())
+      return;
     Driver& d = it->second;
-    if (m.sha256 != d.start.sha256 || m.offset != d.received) return;  // not the piece asked for
+    // Only the piece asked for, of this start.
+    if (m.token != d.token || m.sha256 != d.start.sha256 || m.offset != d.received) return;
     try {
       if (m.error) throw Error(*m.error);
       {
-        std::ofstream out(part_file(d), std::ios::binary | std::ios::app);
+        std::ofstream out(archive_of(d), std::ios::binary | std::ios::app);
         out.write(reinterpret_cast<const char*>(m.bytes.data.data()),
                   static_cast<std::streamsize>(m.bytes.data.size()));
         if (!out)
-          throw Error(fmt::format("cannot write {}: check --cache-dir", part_file(d).string()));
+          throw Error(fmt::format("cannot write {}: check --cache-dir", archive_of(d).string()));
       }
       d.received += static_cast<std::int64_t>(m.bytes.data.size());
       if (d.received > d.start.size)
         throw Error("the head sent more of the working directory than it holds");
-      if (!m.last) {
-        post(proto::NeedArchive{d.job, d.start.sha256, d.received});
-        return;
-      }
-      if (sha256_file(part_file(d)) != d.start.sha256)
-        throw Error(fmt::format("its working directory does not match sha256 {}", d.start.sha256));
-      fs::rename(part_file(d), archive(d.start.sha256));
-      launch_driver(d);
+      if (!m.last) return ask_archive(d);
+      prepare_driver(d);
     } catch (const std::exception& e) {
-      std::error_code ec;
-      fs::remove(part_file(d), ec);
       driver_failed(d, e.what());
     }
   }
 
-  // Unpacks the working directory and starts the supervisor, as the head does for a driver of
-  // its own (with --run-as, the working directory and key are the account's).
+  // Checks and unpacks the working directory (with --run-as, given to the account) and writes
+  // the driver's key, on a thread of its own: a large one would keep the heartbeats waiting.
+  // beat_drivers starts the supervisor once it is done.
+  void prepare_driver(Driver& d) {
+    namespace fs = std::filesystem;
+    const proto::DriverStart& m = d.start;
+    std::optional<Account> account;
+    if (o.run_as.enabled()) account = o.run_as.account_for(m.user);
+    const fs::path rel = fs::path(m.job_file).lexically_normal();
+    if (rel.empty() || rel.is_absolute() || *rel.begin() == "..")
+      throw Error(
+          fmt::format("the job file \"{}\" is not inside its working directory", m.job_file));
+    d.preparing = std::async(std::launch::async, [dir = d.dir, tar = archive_of(d), m, account] {
+      if (sha256_file(tar) != m.sha256)
+        throw Error(fmt::format("its working directory does not match sha256 {}", m.sha256));
+      jobs::unpack(tar, dir / "work");
+      fs::remove(tar);
+      if (m.keys) {
+        transport::write_keypair(dir / "driver",
+                                 transport::KeyPair{m.keys->public_key, m.keys->secret_key},
+                                 fmt::format("the driver of job {}", m.job), false);
+      }
+      if (account) {
+        give_tree(dir / "work", *account);
+        if (m.keys) give_tree(dir / "driver", *account);
+        fs::permissions(dir, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+      }
+    });
+  }
+
+  // Starts the supervisor of a prepared driver, as the head does for a driver of its own.
   void launch_driver(Driver& d) {
     namespace fs = std::filesystem;
     const proto::DriverStart& m = d.start;
     std::optional<Account> account;
     if (o.run_as.enabled()) account = o.run_as.account_for(m.user);
-    jobs::unpack(archive(m.sha256), d.dir / "work");
-    const fs::path rel = fs::path(m.job_file).lexically_normal();
-    if (rel.empty() || rel.is_absolute() || *rel.begin() == "..")
-      throw Error(
-          fmt::format("the job file \"{}\" is not inside its working directory", m.job_file));
-    std::vector<std::string> key_args;
-    if (m.keys) {
-      transport::write_keypair(d.dir / "driver",
-                               transport::KeyPair{m.keys->public_key, m.keys->secret_key},
-                               fmt::format("the driver of job {}", m.job), false);
-      key_args = {"--key", (d.dir / "driver" / "twinkle.key").string(), "--head-key",
-                  m.keys->server_key};
-    }
-    if (account) {
-      give_tree(d.dir / "work", *account);
-      if (m.keys) give_tree(d.dir / "driver", *account);
-      fs::permissions(d.dir, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
-    }
     std::vector<std::string> argv = {
         o.exe.string(),  "supervise",
         "--job-dir",     d.dir.string(),
@@ -540,13 +550,18 @@ struct Agent::State {
         "--stop-grace",  fmt::format("{}", m.stop_grace_s)};
     if (m.resume_on_retry) argv.push_back("--resume-on-retry");
     if (account) argv.insert(argv.end(), {"--user", account->name});
-    argv.insert(argv.end(), {"--", o.exe.string(), "run", (d.dir / "work" / rel).string(),
+    argv.insert(argv.end(), {"--", o.exe.string(), "run",
+                             (d.dir / "work" / fs::path(m.job_file).lexically_normal()).string(),
                              "--address", o.address});
     for (const auto& x : m.sets) argv.insert(argv.end(), {"--set", x});
-    argv.insert(argv.end(), key_args.begin(), key_args.end());
+    if (m.keys) {
+      argv.insert(argv.end(), {"--key", (d.dir / "driver" / "twinkle.key").string(), "--head-key",
+                               m.keys->server_key});
+    }
     d.pid = jobs::start_supervisor(argv, m.job, m.user, m.name);
     d.pid_start = jobs::process_start(d.pid);
-    if (!jobs::write_atomic(d.dir / "supervisor", fmt::format("{} {}\n", d.pid, d.pid_start)))
+    if (!jobs::write_atomic(d.dir / "supervisor",
+                            fmt::format("{} {} {}\n", d.pid, d.pid_start, d.token)))
       log(fmt::format("job {}: cannot write {}", m.job, (d.dir / "supervisor").string()));
     log(fmt::format("job {} ({}) of {}: its driver started here (supervisor pid {}{})", m.job,
                     m.name, m.user, d.pid, account ? ", as " + account->name : ""));
@@ -565,10 +580,12 @@ struct Agent::State {
   }
 
   // Tells the head how job `d`'s driver goes: the next piece of its log and, once all of the
-  // log is sent, its end.
+  // log is sent, its end. (While its working directory comes, a status with nothing in it: the
+  // driver is on its way.)
   void send_status(Driver& d) {
     proto::DriverStatus st;
     st.job = d.job;
+    st.token = d.token;
     st.error = d.error;
     if (d.pid && d.shipped >= 0) {
       const bool alive = supervisor_alive(d);
@@ -577,35 +594,35 @@ struct Agent::State {
       st.offset = piece.offset;
       st.log.data.assign(piece.bytes.begin(), piece.bytes.end());
       if (auto at = jobs::read_attempt(d.dir)) st.attempt = at->attempt;
+      // Its end goes with the last piece of its log, never before.
       const bool all = piece.offset + static_cast<std::int64_t>(piece.bytes.size()) >= piece.end;
       if (exit && all) {
         st.exit = exit->code;
         st.retries = exit->retries;
-      } else if (!exit && !alive) {
+      } else if (!exit && !alive && all) {
         st.lost = true;
       }
     } else if (d.pid) {
       st.offset = 0;  // asks where the head's copy of the log ends
     }
-    if (!d.pid && !d.error) return;  // still fetching its working directory
     d.waiting = true;
     d.sent = std::chrono::steady_clock::now();
     post(std::move(st));
   }
 
   void on_driver_ack(const proto::DriverAck& a) {
-    namespace fs = std::filesystem;
     auto it = drivers.find(a.job);
-    if (it == drivers.end()) return;
+    if (it == drivers.end() || a.token != it->second.token) return;  // of an earlier start
     Driver& d = it->second;
     d.waiting = false;
     if (a.done) {
       // Ended and recorded, or no longer this node's: what is left of it goes.
-      log(fmt::format("job {}: its driver is done here", d.job));
       forget_driver(it);
+      log(fmt::format("job {}: its driver is done here", a.job));
       return;
     }
-    d.shipped = std::max<std::int64_t>(a.log_end, 0);
+    if (a.log_end < 0) return;  // the head could not take it; the next beat tries again
+    d.shipped = a.log_end;
     if (a.signal && a.signal != d.signalled && supervisor_alive(d)) {
       ::kill(d.pid, a.signal);
       d.signalled = a.signal;
@@ -618,24 +635,56 @@ struct Agent::State {
   }
 
   // Kills what is left of a driver (its supervisor kills the driver at once on SIGUSR2) and
-  // removes its folder.
+  // removes its folder (once its preparation, if any, has ended: beat_drivers).
   void forget_driver(std::map<std::int64_t, Driver>::iterator it) {
-    if (supervisor_alive(it->second)) ::kill(it->second.pid, SIGUSR2);
-    std::error_code ec;
-    std::filesystem::remove_all(it->second.dir, ec);
+    Driver& d = it->second;
+    if (supervisor_alive(d)) ::kill(d.pid, SIGUSR2);
+    if (d.preparing.valid()) {
+      leftovers.emplace_back(std::move(d.preparing), d.dir);
+    } else {
+      std::error_code ec;
+      std::filesystem::remove_all(d.dir, ec);
+    }
     drivers.erase(it);
   }
 
-  // Every beat: each driver's news (an unanswered status is sent again after a while).
+  // Every beat: each driver's news (an unanswered status is sent again after a while), a
+  // working directory asked for again, a prepared driver started.
   void beat_drivers() {
     const auto now = std::chrono::steady_clock::now();
     for (auto& [job, d] : drivers) {
+      if (d.preparing.valid() &&
+          d.preparing.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        try {
+          d.preparing.get();
+          launch_driver(d);
+        } catch (const std::exception& e) {
+          driver_failed(d, e.what());
+        }
+        continue;
+      }
       if (!d.waiting || now - d.sent >= kStatusAgain) send_status(d);
+      if (!d.pid && !d.error && !d.preparing.valid() && now - d.asked >= kArchiveAgain)
+        ask_archive(d);
+    }
+    for (auto l = leftovers.begin(); l != leftovers.end();) {
+      if (l->first.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        ++l;
+        continue;
+      }
+      try {
+        l->first.get();
+      } catch (const std::exception&) {
+        // Its driver is forgotten: how its preparation ended no longer matters.
+      }
+      std::error_code ec;
+      std::filesystem::remove_all(l->second, ec);
+      l = leftovers.erase(l);
     }
   }
 
-  // Drivers a previous agent of this node started: their supervisors live on; their news goes
-  // to the head again.
+  // Drivers a previous agent of this node started (it was killed: a stopped agent takes its
+  // drivers with it): their supervisors live on; their news goes to the head again.
   void adopt_drivers() {
     namespace fs = std::filesystem;
     // ID.STAMP, oldest first: of two starts of one job (one killed as the other began) the
@@ -657,7 +706,7 @@ struct Agent::State {
       if (auto older = drivers.find(job); older != drivers.end()) forget_driver(older);
       std::ifstream in(dir / "supervisor");
       Driver d;
-      if (!(in >> d.pid >> d.pid_start)) {
+      if (!(in >> d.pid >> d.pid_start >> d.token)) {
         std::error_code rm;
         fs::remove_all(dir, rm);  // never started
         continue;
@@ -667,6 +716,18 @@ struct Agent::State {
       log(fmt::format("job {}: took up its driver again (supervisor pid {})", job, d.pid));
       drivers[job] = std::move(d);
     }
+  }
+
+  // The agent stops: its drivers go with it (the head, told the node left, starts their jobs
+  // again elsewhere while they have retries).
+  void stop_drivers() {
+    for (auto it = drivers.begin(); it != drivers.end();) forget_driver(it++);
+    for (auto& l : leftovers) {
+      l.first.wait();
+      std::error_code ec;
+      std::filesystem::remove_all(l.second, ec);
+    }
+    leftovers.clear();
   }
 
   void handle(Message& m) {
@@ -770,6 +831,7 @@ Agent::~Agent() {
   // Said at once, so that drivers do not wait for the heartbeats to stop.
   s.link->post(Message{0, proto::NodeLeave{s.o.node_id, "its agent was stopped"}});
   s.link->stop(std::chrono::milliseconds(500));
+  s.stop_drivers();  // the link's thread has ended: its drivers are this thread's now
   std::lock_guard lock(s.mu);
   for (auto& [run, j] : s.jobs) {
     if (j->stopper.joinable()) j->stopper.join();

@@ -93,6 +93,20 @@ void refuse(httplib::Response& res, int status, const std::string& why) {
   reply_json(res, status, json{{"error", why}});
 }
 
+// The job service's answer to a stop or a resume: 200 with its text, or its refusal (403 for
+// another member's job, 404 for none, 400 otherwise). Nothing when the head did not answer (the
+// response says so already).
+void reply_answer(const std::optional<proto::JobAnswer>& answer, httplib::Response& res) {
+  if (!answer) return;
+  if (answer->error) {
+    const int status = answer->error->find("only your own") != std::string::npos ? 403
+                       : answer->error->rfind("no job", 0) == 0                  ? 404
+                                                                                 : 400;
+    return refuse(res, status, *answer->error);
+  }
+  reply_json(res, 200, json{{"job", answer->job}, {"text", answer->text}});
+}
+
 std::string cookie_value(const httplib::Request& req, const std::string& name) {
   const std::string all = req.get_header_value("Cookie");
   std::size_t at = 0;
@@ -1234,15 +1248,17 @@ struct Dashboard::State {
             return refuse(res, 400, "the body is not JSON: send {} or {\"now\": true}");
           }
           stop.from = "dashboard " + req.remote_addr;
-          auto answer = head<proto::JobAnswer>(s, req.remote_addr, stop, res);
-          if (!answer) return;
-          if (answer->error) {
-            const int status = answer->error->find("only your own") != std::string::npos ? 403
-                               : answer->error->rfind("no job", 0) == 0                  ? 404
-                                                                                         : 400;
-            return refuse(res, status, *answer->error);
-          }
-          reply_json(res, 200, json{{"job", answer->job}, {"text", answer->text}});
+          reply_answer(head<proto::JobAnswer>(s, req.remote_addr, stop, res), res);
+        }));
+
+    // Queue a STOPPED or FAILED job again, to go on from its newest checkpoint (twinkle resume).
+    server->Post(
+        R"(/api/v1/jobs/(\d+)/resume)",
+        with_session([this](const Session& s, const httplib::Request& req, httplib::Response& res) {
+          proto::JobResume resume;
+          resume.job = positive(req.matches[1]).value_or(0);
+          resume.from = "dashboard " + req.remote_addr;
+          reply_answer(head<proto::JobAnswer>(s, req.remote_addr, resume, res), res);
         }));
   }
 };

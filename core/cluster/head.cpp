@@ -186,7 +186,7 @@ struct Head::State {
   static bool for_jobs(Message& m) {
     return m.get<proto::UploadCheck>() || m.get<proto::UploadPart>() || m.get<proto::Submit>() ||
            m.get<proto::JobsQuery>() || m.get<proto::LogsQuery>() || m.get<proto::JobStop>() ||
-           m.get<proto::QuotasQuery>();
+           m.get<proto::JobResume>() || m.get<proto::QuotasQuery>();
   }
 
   void send(const std::string& to, const Message& m) {

@@ -40,6 +40,9 @@ constexpr std::int64_t kArchivePiece = 4 << 20;  // bytes of a working directory
 constexpr int kSummaryLines = 20;
 // After a head restart, an interactive run that no agent reports within this is gone.
 constexpr auto kAdoptionGrace = std::chrono::seconds(10);
+// A driver on a node whose agent says nothing of it for this long (it reports every 0.5 s) is
+// taken for lost.
+constexpr auto kDriverSilence = std::chrono::seconds(20);
 // An archive no job uses, or a piece of an upload that stopped, is removed once it is this old: a
 // client that died between its upload and its submit (or mid-upload) leaves nothing for good.
 constexpr auto kUploadGrace = std::chrono::hours(1);
@@ -142,9 +145,9 @@ struct JobService::State {
   ShareMeter shares;
   std::map<std::int64_t, std::string> driver_keys;  // job -> its driver's admitted public key
   // Drivers on nodes: the signal each one's supervisor is to get with the next driver_ack
-  // (SIGTERM, SIGUSR2), and since when a job's driver node is not live.
+  // (SIGTERM, SIGUSR2), and when the agent last said how each goes.
   std::map<std::int64_t, int> driver_signals;
-  std::map<std::int64_t, Clock::time_point> node_gone;
+  std::map<std::int64_t, Clock::time_point> driver_heard;  // its node's agent's last word
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -365,6 +368,7 @@ struct JobService::State {
     j.reason = "waiting for its turn";
     j.submitted = unix_now();
     j.max_retries = s.max_retries;
+    j.retry_budget = s.max_retries;
     j.from = s.from;
     j.job_file = rel.string();
     j.sha256 = s.sha256;
@@ -511,6 +515,68 @@ struct JobService::State {
     return c;
   }
 
+  // `twinkle resume`: a STOPPED or FAILED job of the caller's (any, for an admin) back in the
+  // queue; its driver starts with job.resume=auto in the job's own folder, so it continues
+  // from its newest checkpoint there (or in its absolute checkpoint_dir).
+  proto::JobAnswer on_resume(const Caller& who, const proto::JobResume& r) {
+    proto::JobAnswer a;
+    a.job = r.job;
+    const std::string user = who.user.empty() ? r.user : who.user;
+    auto j = store->get(r.job);
+    if (!j) {
+      a.error = fmt::format("no job {} in this cluster's history", r.job);
+      return a;
+    }
+    if (j->user != user && !who.admin) {
+      a.error = fmt::format(
+          "job {} is {}'s; you ({}) may resume only your own jobs (an admin may resume any)", r.job,
+          j->user, user);
+      store->audit(AuditRecord{j->id, unix_now(), user, "resume refused", r.from, "not the owner"});
+      return a;
+    }
+    if (j->kind != "submitted") {
+      a.error = fmt::format(
+          "job {} is an interactive run (twinkle run --address): run it again with "
+          "`twinkle run --resume` where it ran",
+          r.job);
+      return a;
+    }
+    if (j->state != "STOPPED" && j->state != "FAILED") {
+      a.error = fmt::format("job {} is {}: only a STOPPED or FAILED job resumes", r.job, j->state);
+      return a;
+    }
+    if (!j->resume_on_retry) {
+      a.error = fmt::format(
+          "job {} has no checkpoint_dir, so it has nothing to resume from; submit it again to "
+          "start over",
+          r.job);
+      return a;
+    }
+    std::error_code ec;
+    if (!fs::exists(job_dir(j->id) / "work" / j->job_file, ec)) {
+      a.error = fmt::format("the head no longer holds job {}'s working directory", r.job);
+      return a;
+    }
+    const std::string was = j->state;
+    j->state = "QUEUED";
+    j->reason = fmt::format("resumed by {}: waiting for its turn", user);
+    j->ended = 0;
+    j->exit_code.reset();
+    j->stop_requested = 0;
+    j->stopped_by = "";
+    // Its --max-retries count afresh.
+    j->max_retries = j->retries + j->retry_budget;
+    j->retry_base = j->retries;
+    store->update(*j);
+    store->audit(AuditRecord{j->id, unix_now(), user, "resume", r.from, "it was " + was});
+    log(fmt::format("job {} ({}) resumed by {} (it was {})", j->id, j->name, user, was));
+    a.text = fmt::format(
+        "job {} is queued again; its driver resumes from its newest checkpoint (`twinkle logs {} "
+        "-f` follows it)",
+        r.job, r.job);
+    return a;
+  }
+
   proto::JobAnswer on_stop(const Caller& who, const proto::JobStop& s) {
     proto::JobAnswer a;
     a.job = s.job;
@@ -641,6 +707,15 @@ struct JobService::State {
       if (cluster.node_alive && !cluster.node_alive(j.driver_node) &&
           Clock::now() - started > kAdoptionGrace) {
         return driver_lost(j, fmt::format("the node {} of its driver was lost", j.driver_node));
+      }
+      // A live node whose agent says nothing of the driver (it never got driver_start, a head
+      // restart between them) does not hold the job for ever.
+      auto heard = driver_heard.find(j.id);
+      const auto last = heard == driver_heard.end() ? started : std::max(started, heard->second);
+      if (Clock::now() - last > kDriverSilence) {
+        return driver_lost(
+            j, fmt::format("the agent of node {} has said nothing of its driver for {} s",
+                           j.driver_node, kDriverSilence.count()));
       }
     } else if (!exit && !supervisor_alive(j)) {
       exit = read_exit(dir);  // written just before it exited
@@ -813,12 +888,11 @@ struct JobService::State {
   }
 
   // What the driver of `j` runs with: `--set` each of these (its overrides, remote mode, and
-  // for a job that ran before, preempted or retried, its resume).
+  // for a job that ran before (preempted, retried elsewhere or resumed), its resume).
   static std::vector<std::string> driver_sets(const JobRecord& j) {
     std::vector<std::string> sets = {"job.mode=remote"};
     for (const auto& x : nlohmann::json::parse(j.overrides)) sets.push_back(x.get<std::string>());
-    if ((j.preemptions > 0 || j.retry_base > 0) && j.resume_on_retry)
-      sets.push_back("job.resume=auto");
+    if (!j.run.empty() && j.resume_on_retry) sets.push_back("job.resume=auto");
     return sets;
   }
 
@@ -842,6 +916,10 @@ struct JobService::State {
     d.resume_on_retry = j.resume_on_retry;
     d.log_cap = static_cast<std::int64_t>(o.log_cap);
     d.stop_grace_s = j.stop_grace_s;
+    // This start's token (kept where a supervisor on the head keeps its start time): messages
+    // of an earlier start of the job, on this node or another, are not this one's.
+    const std::int64_t token = j.supervisor_start + 1;
+    d.token = token;
     if (!o.head_public.empty()) {
       const auto keys = transport::generate_keypair();
       if (!write_atomic(dir / "driver.pub", keys.public_key + "\n"))
@@ -853,8 +931,9 @@ struct JobService::State {
     if (!cluster.send_node || !cluster.send_node(j.driver_node, Message{0, std::move(d)}))
       throw Error(fmt::format("node {}, chosen for its driver, is not live", j.driver_node));
     driver_signals.erase(j.id);
+    driver_heard[j.id] = Clock::now();
     j.supervisor_pid = 0;
-    j.supervisor_start = 0;
+    j.supervisor_start = token;
     j.state = "RUNNING";
     j.stop_requested = 0;
     j.exit_code.reset();
@@ -871,6 +950,7 @@ struct JobService::State {
   void driver_lost(JobRecord& j, const std::string& why) {
     forget_driver(j.id);
     driver_signals.erase(j.id);
+    driver_heard.erase(j.id);
     if (!j.run.empty() && cluster.run_known(j.run)) cluster.release_run(j.run);
     if (j.retries >= j.max_retries || j.stop_requested) {
       finish(j, "FAILED",
@@ -1298,6 +1378,10 @@ Message JobService::handle(const Caller& caller, std::uint64_t request, Message&
             return Message{request, s.on_logs(b)};
           } else if constexpr (std::is_same_v<T, proto::JobStop>) {
             return Message{request, s.on_stop(caller, b)};
+          } else if constexpr (std::is_same_v<T, proto::JobResume>) {
+            Message answer{request, s.on_resume(caller, b)};
+            s.schedule_queue();  // it starts now when it fits
+            return answer;
           } else if constexpr (std::is_same_v<T, proto::QuotasQuery>) {
             return Message{request, s.on_quotas(caller, b)};
           } else {
@@ -1430,9 +1514,13 @@ proto::DriverAck JobService::driver_status(const std::string& node, const proto:
   ack.job = st.job;
   ack.done = true;  // unless it is this node's running job: the agent forgets it
   try {
+    ack.token = st.token;
     auto j = s.store->get(st.job);
-    if (!j || j->kind != "submitted" || j->state != "RUNNING" || j->driver_node != node) return ack;
+    if (!j || j->kind != "submitted" || j->state != "RUNNING" || j->driver_node != node ||
+        j->supervisor_start != st.token)
+      return ack;
     const fs::path dir = s.job_dir(j->id);
+    s.driver_heard[j->id] = Clock::now();
     // The log in the node's offsets: what is here already is not written twice (an answer lost,
     // a restarted head).
     std::int64_t have = 0;
@@ -1473,9 +1561,13 @@ proto::DriverAck JobService::driver_status(const std::string& node, const proto:
       if (auto sig = s.driver_signals.find(j->id); sig != s.driver_signals.end())
         ack.signal = sig->second;
     }
-    if (ack.done) s.driver_signals.erase(j->id);
+    if (ack.done) {
+      s.driver_signals.erase(j->id);
+      s.driver_heard.erase(j->id);
+    }
   } catch (const std::exception& e) {
     ack.done = false;
+    ack.log_end = -1;  // the agent keeps its place and tries again at its next beat
     s.log(fmt::format("job service: driver of job {} on node {}: {}", st.job, node, e.what()));
   }
   return ack;
@@ -1488,8 +1580,10 @@ proto::ArchivePart JobService::archive_part(const std::string& node,
   p.job = need.job;
   p.sha256 = need.sha256;
   p.offset = need.offset;
+  p.token = need.token;
   const auto j = s.store->get(need.job);
-  if (!j || j->state != "RUNNING" || j->driver_node != node || j->sha256 != need.sha256) {
+  if (!j || j->state != "RUNNING" || j->driver_node != node || j->sha256 != need.sha256 ||
+      j->supervisor_start != need.token) {
     p.error = fmt::format("job {} has no driver to start on node {}", need.job, node);
     return p;
   }

@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   preemptible INTEGER NOT NULL DEFAULT 1, preemptions INTEGER NOT NULL DEFAULT 0,
   preempted_by INTEGER NOT NULL DEFAULT 0, retry_base INTEGER NOT NULL DEFAULT 0,
   restarts INTEGER NOT NULL DEFAULT 0, run_restarts INTEGER NOT NULL DEFAULT 0,
-  driver_labels TEXT NOT NULL DEFAULT '{}', driver_node TEXT NOT NULL DEFAULT '');
+  driver_labels TEXT NOT NULL DEFAULT '{}', driver_node TEXT NOT NULL DEFAULT '',
+  retry_budget INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS audit (
   id INTEGER PRIMARY KEY AUTOINCREMENT, job INTEGER NOT NULL, time INTEGER NOT NULL,
@@ -42,7 +43,7 @@ constexpr const char* kColumns =
     "exit_code, gpus, cpus, nodes, gpu_seconds, run, from_host, stopped_by, job_file, sha256, "
     "overrides, after_job, after_condition, demand, placement, resume_on_retry, stop_grace_s, "
     "supervisor_pid, supervisor_start, stop_requested, team, priority, preemptible, preemptions, "
-    "preempted_by, retry_base, restarts, run_restarts, driver_labels, driver_node";
+    "preempted_by, retry_base, restarts, run_restarts, driver_labels, driver_node, retry_budget";
 
 // Columns a history written before teams (issue 24), remote restarts and drivers on nodes
 // lacks, added when it is opened.
@@ -51,7 +52,8 @@ constexpr const char* kAddedColumns[][2] = {
     {"preemptible", "INTEGER NOT NULL DEFAULT 1"},   {"preemptions", "INTEGER NOT NULL DEFAULT 0"},
     {"preempted_by", "INTEGER NOT NULL DEFAULT 0"},  {"retry_base", "INTEGER NOT NULL DEFAULT 0"},
     {"restarts", "INTEGER NOT NULL DEFAULT 0"},      {"run_restarts", "INTEGER NOT NULL DEFAULT 0"},
-    {"driver_labels", "TEXT NOT NULL DEFAULT '{}'"}, {"driver_node", "TEXT NOT NULL DEFAULT ''"}};
+    {"driver_labels", "TEXT NOT NULL DEFAULT '{}'"}, {"driver_node", "TEXT NOT NULL DEFAULT ''"},
+    {"retry_budget", "INTEGER NOT NULL DEFAULT 0"}};
 
 // The states of jobs that have not ended, as SQL.
 constexpr const char* kActive = "('QUEUED','RUNNING','PREEMPTED')";
@@ -160,6 +162,7 @@ JobRecord read_job(const Statement& s) {
   j.run_restarts = static_cast<int>(s.i64(c++));
   j.driver_labels = s.text(c++);
   j.driver_node = s.text(c++);
+  j.retry_budget = static_cast<int>(s.i64(c++));
   return j;
 }
 
@@ -176,11 +179,11 @@ void bind_job(Statement& s, const JobRecord& j, int first) {
            j.from, j.stopped_by, j.job_file, j.sha256, j.overrides, j.after_job, j.after_condition,
            j.demand, j.placement, j.resume_on_retry, j.stop_grace_s, j.supervisor_pid,
            j.supervisor_start, j.stop_requested, j.team, j.priority, j.preemptible, j.preemptions,
-           j.preempted_by, j.retry_base, j.restarts, j.run_restarts, j.driver_labels,
-           j.driver_node);
+           j.preempted_by, j.retry_base, j.restarts, j.run_restarts, j.driver_labels, j.driver_node,
+           j.retry_budget);
 }
 
-constexpr int kBound = 40;  // columns but id
+constexpr int kBound = 41;  // columns but id
 
 }  // namespace
 
@@ -239,7 +242,7 @@ void Store::update(const JobRecord& job) {
               "resume_on_retry=?, stop_grace_s=?, supervisor_pid=?, supervisor_start=?, "
               "stop_requested=?, team=?, priority=?, preemptible=?, preemptions=?, "
               "preempted_by=?, retry_base=?, restarts=?, run_restarts=?, driver_labels=?, "
-              "driver_node=? WHERE id=?",
+              "driver_node=?, retry_budget=? WHERE id=?",
               file_);
   bind_job(s, job, 1);
   s.bind(kBound + 1, job.id);

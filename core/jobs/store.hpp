@@ -39,8 +39,10 @@ struct JobRecord {
   bool resume_on_retry = false;  // its job has a checkpoint_dir
   double stop_grace_s = 0;
   int supervisor_pid = 0;
-  std::int64_t supervisor_start = 0;  // the supervisor's start time (/proc/PID/stat), for pid reuse
-  std::int64_t stop_requested = 0;    // unix seconds of a graceful stop, 0 none
+  // The supervisor's start time (/proc/PID/stat), for pid reuse; for a driver on a node, the
+  // number of its latest start (driver_start.token).
+  std::int64_t supervisor_start = 0;
+  std::int64_t stop_requested = 0;  // unix seconds of a graceful stop, 0 none
   // Teams (docs/ARCHITECTURE.md, Teams and quotas).
   std::string team = "default";  // its submitter's team when it was submitted
   int priority = 0;              // within its team
@@ -54,6 +56,7 @@ struct JobRecord {
   // object ("{}": the driver runs on the head's machine), and the node its latest start is on.
   std::string driver_labels = "{}";
   std::string driver_node;
+  int retry_budget = 0;  // --max-retries as submitted: what each `twinkle resume` gives again
 };
 
 struct AuditRecord {

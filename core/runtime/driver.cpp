@@ -830,6 +830,9 @@ class JobRun : public HostOps {
   RunResult stopped_on_request() {
     std::string resume = "twinkle run --resume " + options_.job_file.string();
     for (const auto& o : options_.overrides) resume += fmt::format(" --set {}={}", o.key, o.value);
+    // A submitted job's driver: the job goes on from the cluster.
+    if (const char* id = std::getenv("TWINKLE_JOB_ID"); id && *id)
+      resume = fmt::format("twinkle resume {}", id);
     std::string where;
     if (last_step_) {
       where = fmt::format("after the checkpoint of step {} ({})", *last_step_,

@@ -48,7 +48,7 @@ case $3 in
   words)
     [ "$(complete -p twinkle)" = "complete -F _twinkle twinkle" ] ||
       fail "sourcing the completion does not register it for twinkle: $(complete -p twinkle 2>&1)"
-    expect_words "run topology nodes node inspect submit jobs job logs stop quotas dashboard keygen" twinkle ""
+    expect_words "run topology nodes node inspect submit jobs job logs stop resume quotas dashboard keygen" twinkle ""
     expect_words "topology" twinkle to
     expect_words "--help --version" twinkle --
     expect_words "--set --gpus --log-dir --quiet --ascii --resume --address --key --head-key --insecure --launcher --help" twinkle run --

@@ -411,16 +411,16 @@ case "$CASE" in
 
     stop_checkpoint)
     # `twinkle stop` of a job with a checkpoint_dir: the graceful path, a checkpoint, exit 75,
-    # STOPPED; the checkpoint is in the job's copy of its folder.
+    # STOPPED; the checkpoint is in the job's copy of its folder. `twinkle resume` queues it
+    # again: it goes on from that checkpoint and ends with the uninterrupted run's loss.
     start_head
     start_agent n1 --cpus 4
-    digits_dir s 30 'checkpoint_dir = "ck"'
+    digits_dir ref 200
+    run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
+    want=$(final_loss "$TMP/out")
+    digits_dir s 200 'checkpoint_dir = "ck"'
     id=$(submit_id "$TMP/s/job.toml")
-    deadline=$((SECONDS + 60))
-    until "$TWK" logs "$id" --grep '^epoch 3 ' --address "$ADDR" | grep -q epoch; do
-      [ $SECONDS -lt $deadline ] || fail "the job did not reach epoch 3"
-      sleep 0.1
-    done
+    until_epoch "$id" 3 60
     run 0 "$TWK" stop "$id" --address "$ADDR"
     expect_out "asked its driver to stop"
     wait_state "$id" STOPPED 60
@@ -429,6 +429,30 @@ case "$CASE" in
     run 0 "$TWK" logs "$id" --address "$ADDR"
     expect_out "stopping after epoch"
     ls "$STATE/jobs/$id/work/ck/" | grep -q '^step-' || { ls -R "$STATE/jobs/$id/work"; fail "no checkpoint in the job's folder"; }
+    expect_out "continue with:"
+    expect_out "  twinkle resume $id"
+    run 1 "$TWK" resume 999 --address "$ADDR"
+    expect_err "no job 999 in this cluster's history"
+    run 0 "$TWK" resume "$id" --address "$ADDR"
+    expect_out "job $id is queued again; its driver resumes from its newest checkpoint"
+    run 1 "$TWK" resume "$id" --address "$ADDR"
+    expect_err "only a STOPPED or FAILED job resumes"
+    wait_state "$id" SUCCEEDED 120
+    run 0 "$TWK" logs "$id" --address "$ADDR"
+    expect_out "twinkle: resuming from the checkpoint of step"
+    [ "$(grep -c '^final loss: ' "$TMP/out")" -eq 1 ] || { cat "$TMP/out"; fail "the stopped run ended on its own"; }
+    same_loss "$(final_loss "$TMP/out")" "$want"
+    run 0 "$TWK" job show "$id" --address "$ADDR"
+    expect_out "resume"
+    grep -E "$(id -un) +resume .*it was STOPPED" "$TMP/out" || { cat "$TMP/out"; fail "no resume in the audit"; }
+    # A job without a checkpoint_dir has nothing to resume from.
+    digits_dir n 100000
+    id=$(submit_id "$TMP/n/job.toml")
+    wait_state "$id" RUNNING 20
+    run 0 "$TWK" stop "$id" --now --address "$ADDR"
+    wait_state "$id" STOPPED 30
+    run 1 "$TWK" resume "$id" --address "$ADDR"
+    expect_err "job $id has no checkpoint_dir, so it has nothing to resume from; submit it again to start over"
     ;;
 
   upload)
@@ -509,6 +533,7 @@ case "$CASE" in
       { cat "$TMP/agent-d1.log"; fail "the driver did not start on d1"; }
     wait_for "$TMP/agent-d1.log" "job $id: its driver is done here" 10
     [ -z "$(ls -A "$TMP/cache-d1/drivers")" ] || { ls -la "$TMP/cache-d1/drivers"; fail "d1 kept the driver's folder"; }
+    [ ! -e "$TMP/cache-d1/archives" ] || fail "d1 kept a working directory's archive outside the driver's folder"
 
     # `twinkle stop` reaches a driver on a node: a checkpoint, exit 75, STOPPED.
     digits_dir s 100000 "checkpoint_dir = \"$TMP/ck-s\"\ndriver_labels = { role = \"driver\" }"
@@ -543,6 +568,70 @@ case "$CASE" in
     run 0 "$TWK" logs "$id" --address "$ADDR" "${MEMBER[@]}"
     expect_out "resumed after epoch"
     same_loss "$(final_loss "$TMP/out")" "$want"
+    ;;
+
+    driver_agent)
+    # A driver on a node outlives its agent: an agent killed and started again at once takes it
+    # up (the job goes on, every epoch once in its log, the uninterrupted loss); one that comes
+    # back after the head declared its node DEAD finds the job started elsewhere, and kills the
+    # driver it left.
+    start_head
+    start_agent w1 --cpus 4 --labels role=work
+    start_agent d1 --cpus 1 --labels role=driver
+    digits_dir ref 300
+    run 0 "$TWK" run --quiet "$TMP/ref/job.toml"
+    want=$(final_loss "$TMP/out")
+    digits_dir a 300 'driver_labels = { role = "driver" }'
+    id=$(submit_id "$TMP/a/job.toml")
+    until_epoch "$id" 5 60
+    pkill -KILL -f -- "--node-id d1 " || fail "no agent d1"
+    # Again at once: the head takes the node id from a new agent once the old one has been
+    # silent for 1 s, so it is tried until taken (each try ends at once when refused).
+    deadline=$((SECONDS + 3))
+    while :; do
+      "$TWK" node start --address "$ADDR" --node-id d1 --cache-dir "$TMP/cache-d1" --cpus 1 \
+        --labels role=driver >"$TMP/agent-d1.log" 2>&1 &
+      apid=$!
+      PIDS+=($apid)
+      while kill -0 "$apid" 2>/dev/null && ! grep -q "joined the cluster" "$TMP/agent-d1.log"; do
+        [ $SECONDS -lt $((deadline + 10)) ] || { cat "$TMP/agent-d1.log"; fail "d1 neither joined nor ended"; }
+        sleep 0.02
+      done
+      grep -q "joined the cluster" "$TMP/agent-d1.log" && break
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/agent-d1.log"; fail "d1 could not join again"; }
+    done
+    wait_for "$TMP/agent-d1.log" "job $id: took up its driver again" 10
+    wait_state "$id" SUCCEEDED 120
+    [ "$(job_field "$id" retries)" = 0 ] || fail "retries: $(job_field "$id" retries): the driver was not kept"
+    [ "$(job_field "$id" driver_node)" = d1 ] || fail "driver_node: $(job_field "$id" driver_node)"
+    run 0 "$TWK" logs "$id" --address "$ADDR"
+    [ "$(grep -c '^epoch [0-9]*  loss' "$TMP/out")" -eq 300 ] || { cat "$TMP/out"; fail "the log lacks epochs, or has some twice"; }
+    same_loss "$(final_loss "$TMP/out")" "$want"
+
+    start_agent d2 --cpus 1 --labels role=driver
+    digits_dir b 100000 'driver_labels = { role = "driver" }'
+    id=$(submit_id "$TMP/b/job.toml" --max-retries 1)
+    until_epoch "$id" 3 60
+    lost=$(job_field "$id" driver_node)
+    case "$lost" in d1) other=d2 ;; d2) other=d1 ;; *) fail "driver_node: \"$lost\"" ;; esac
+    pkill -KILL -f -- "--node-id $lost " || fail "no agent of $lost"
+    deadline=$((SECONDS + 30))
+    until [ "$(job_field "$id" driver_node)" = "$other" ] && [ "$(job_field "$id" state)" = RUNNING ]; do
+      [ $SECONDS -lt $deadline ] || { "$TWK" job show "$id" --address "$ADDR"; fail "the job did not move to $other"; }
+      sleep 0.1
+    done
+    [ "$(job_field "$id" retries)" = 1 ] || fail "retries: $(job_field "$id" retries), expected 1"
+    pgrep -f -- "$TMP/cache-$lost/drivers" >/dev/null || fail "the driver left on $lost did not outlive its agent"
+    start_agent "$lost" --cpus 1 --labels role=driver
+    deadline=$((SECONDS + 20))
+    while pgrep -f -- "$TMP/cache-$lost/drivers" >/dev/null; do
+      [ $SECONDS -lt $deadline ] || { pgrep -af -- "$TMP/cache-$lost/drivers"; fail "the driver left on $lost still runs"; }
+      sleep 0.1
+    done
+    grep -q "job $id: its driver is done here" "$TMP/agent-$lost.log" || { cat "$TMP/agent-$lost.log"; fail "$lost did not forget the driver"; }
+    [ "$(job_field "$id" state)" = RUNNING ] || fail "the old driver's end was taken for the job's"
+    run 0 "$TWK" stop "$id" --now --address "$ADDR"
+    wait_state "$id" STOPPED 30
     ;;
 
     driver_cpu)
@@ -721,6 +810,13 @@ PY
     wait_state "$id" STOPPED 60
     run 0 "$TWK" job show "$id" --address "$ADDR" $(as bob)
     expect_out "stopped by carol"
+    # Resume: the owner's or an admin's; this job has no checkpoint to go on from.
+    [ "$(code POST "/api/v1/jobs/$id/resume" $(web alice) -H "X-CSRF-Token: $csrf" "${origin[@]}")" = 403 ] &&
+      grep -q "you (alice) may resume only your own jobs" "$TMP/body" || { cat "$TMP/body"; fail "alice resumed bob's job"; }
+    [ "$(code POST "/api/v1/jobs/$id/resume" $(web carol) -H "X-CSRF-Token: $ccsrf" "${origin[@]}")" = 400 ] &&
+      grep -q "has no checkpoint_dir, so it has nothing to resume from" "$TMP/body" ||
+      { cat "$TMP/body"; fail "a job without checkpoints was resumed"; }
+    [ "$(job_field "$id" state)" = STOPPED ] || fail "a refused resume changed the job"
     [ "$(code GET "/api/v1/jobs/$id/logs?tail=5" $(web carol))" = 200 ] && grep -q '"ended":true' "$TMP/body" ||
       { cat "$TMP/body"; fail "the job's log is not there"; }
     ;;

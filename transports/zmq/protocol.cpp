@@ -69,6 +69,7 @@ const char* to_string(MsgType t) {
     case MsgType::archive_part: return "archive_part";
     case MsgType::driver_status: return "driver_status";
     case MsgType::driver_ack: return "driver_ack";
+    case MsgType::job_resume: return "job_resume";
   }
   return "unknown";
 }

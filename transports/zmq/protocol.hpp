@@ -90,6 +90,7 @@ enum class MsgType : std::uint16_t {
   archive_part = 57,
   driver_status = 58,
   driver_ack = 59,
+  job_resume = 60,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -1009,6 +1010,19 @@ struct JobStop {
   }
 };
 
+// client -> head: a STOPPED or FAILED job back in the queue, to resume from its newest
+// checkpoint (answered with job_answer).
+struct JobResume {
+  static constexpr MsgType kType = MsgType::job_resume;
+  std::int64_t job = 0;
+  std::string user;  // clusters without keys only
+  std::string from;
+  static constexpr auto fields() {
+    return std::tuple{field("job", &JobResume::job), field("user", &JobResume::user),
+                      field("from", &JobResume::from)};
+  }
+};
+
 // client -> head: a one-time link that logs the caller in to the head's dashboard.
 struct DashboardLink {
   static constexpr MsgType kType = MsgType::dashboard_link;
@@ -1106,8 +1120,12 @@ struct DriverStart {
   std::int64_t log_cap = 0;
   double stop_grace_s = 0;
   std::optional<RunKeys> keys;  // the driver's own key pair and the head's public key
+  // This start of the job's driver: every message about it carries it, and one of another
+  // start (an earlier one on this node) is not taken for it.
+  std::int64_t token = 0;
   static constexpr auto fields() {
     return std::tuple{field("job", &DriverStart::job),
+                      field("token", &DriverStart::token),
                       field("name", &DriverStart::name),
                       field("user", &DriverStart::user),
                       field("sha256", &DriverStart::sha256),
@@ -1128,9 +1146,10 @@ struct NeedArchive {
   std::int64_t job = 0;
   std::string sha256;
   std::int64_t offset = 0;
+  std::int64_t token = 0;  // the start's (driver_start)
   static constexpr auto fields() {
-    return std::tuple{field("job", &NeedArchive::job), field("sha256", &NeedArchive::sha256),
-                      field("offset", &NeedArchive::offset)};
+    return std::tuple{field("job", &NeedArchive::job), field("token", &NeedArchive::token),
+                      field("sha256", &NeedArchive::sha256), field("offset", &NeedArchive::offset)};
   }
 };
 
@@ -1143,10 +1162,12 @@ struct ArchivePart {
   Bytes bytes;
   bool last = false;
   std::optional<std::string> error;  // the head cannot send it (the job is gone)
+  std::int64_t token = 0;            // the start's (driver_start)
   static constexpr auto fields() {
-    return std::tuple{field("job", &ArchivePart::job),       field("sha256", &ArchivePart::sha256),
-                      field("offset", &ArchivePart::offset), field("bytes", &ArchivePart::bytes),
-                      field("last", &ArchivePart::last),     field("error", &ArchivePart::error)};
+    return std::tuple{field("job", &ArchivePart::job),       field("token", &ArchivePart::token),
+                      field("sha256", &ArchivePart::sha256), field("offset", &ArchivePart::offset),
+                      field("bytes", &ArchivePart::bytes),   field("last", &ArchivePart::last),
+                      field("error", &ArchivePart::error)};
   }
 };
 
@@ -1162,11 +1183,14 @@ struct DriverStatus {
   int retries = 0;                   // with exit
   bool lost = false;                 // its supervisor ended without an exit file
   std::optional<std::string> error;  // it could not be started here
+  std::int64_t token = 0;            // the start's (driver_start)
   static constexpr auto fields() {
-    return std::tuple{field("job", &DriverStatus::job),   field("offset", &DriverStatus::offset),
-                      field("log", &DriverStatus::log),   field("attempt", &DriverStatus::attempt),
-                      field("exit", &DriverStatus::exit), field("retries", &DriverStatus::retries),
-                      field("lost", &DriverStatus::lost), field("error", &DriverStatus::error)};
+    return std::tuple{
+        field("job", &DriverStatus::job),         field("token", &DriverStatus::token),
+        field("offset", &DriverStatus::offset),   field("log", &DriverStatus::log),
+        field("attempt", &DriverStatus::attempt), field("exit", &DriverStatus::exit),
+        field("retries", &DriverStatus::retries), field("lost", &DriverStatus::lost),
+        field("error", &DriverStatus::error)};
   }
 };
 
@@ -1179,9 +1203,11 @@ struct DriverAck {
   std::int64_t log_end = 0;
   int signal = 0;
   bool done = false;
+  std::int64_t token = 0;  // the start's (driver_start)
   static constexpr auto fields() {
-    return std::tuple{field("job", &DriverAck::job), field("log_end", &DriverAck::log_end),
-                      field("signal", &DriverAck::signal), field("done", &DriverAck::done)};
+    return std::tuple{field("job", &DriverAck::job), field("token", &DriverAck::token),
+                      field("log_end", &DriverAck::log_end), field("signal", &DriverAck::signal),
+                      field("done", &DriverAck::done)};
   }
 };
 
@@ -1191,7 +1217,7 @@ using Cluster =
                  Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart,
                  UploadState, Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
                  DashboardLink, DashboardGrant, QuotasQuery, QuotasInfo, DriverStart, NeedArchive,
-                 ArchivePart, DriverStatus, DriverAck>;
+                 ArchivePart, DriverStatus, DriverAck, JobResume>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.

@@ -278,14 +278,16 @@ async function draw_topology(p, j) {
 function job_buttons(p, j) {
   const stoppable = j.kind === "submitted" && (j.state === "QUEUED" || j.state === "RUNNING" || j.state === "PREEMPTED");
   const rerunnable = j.kind === "submitted" && Boolean(j.job_text);
-  const which = `${stoppable} ${rerunnable}`;
+  const resumable = j.kind === "submitted" && (j.state === "STOPPED" || j.state === "FAILED");
+  const which = `${stoppable} ${rerunnable} ${resumable}`;
   if (which === p.which) return;
   p.which = which;
   p.buttons.replaceChildren(
     ...(stoppable ? [el("button", { onclick: () => stop(j.id, false) }, "Stop"),
       el("button", { onclick: () => stop(j.id, true) }, "Stop now")] : []),
+    resumable ? el("button", { id: "resume", onclick: () => resume(j.id) }, "Resume") : "",
     rerunnable ? el("button", { id: "rerun", onclick: () => { location.hash = `#/submit?rerun=${j.id}`; } }, "Re-run") : "");
-  p.buttons.hidden = !stoppable && !rerunnable;
+  p.buttons.hidden = !stoppable && !rerunnable && !resumable;
 }
 
 // The filter's ranks follow the placement (empty while queued) and keep the chosen one.
@@ -298,6 +300,15 @@ function rank_options(p, ranks) {
     ...names.map((n) => el("option", { value: n }, n)));
   p.rank.value = chosen;
   if (p.rank.value !== chosen) { p.rank.value = ""; follow_log(p); }  // its rank is gone: all of it
+}
+
+// Queued again, to go on from its newest checkpoint (the head says why not).
+async function resume(id) {
+  try {
+    const r = await post(`/jobs/${id}/resume`, {});
+    alert(r.text);
+  } catch (e) { alert(e.message); }
+  if (job_page && job_page.id === id) route();
 }
 
 async function stop(id, now) {
