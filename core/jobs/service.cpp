@@ -1036,8 +1036,9 @@ struct JobService::State {
     for (const char* state : {"QUEUED", "PREEMPTED"}) {
       for (auto& j : store->in_state(state)) {
         std::string reason;
-        // A preempted job ran already: what it ran after no longer matters.
-        if (j.state == "QUEUED" && !check_after(j, reason)) continue;
+        // A job that ran already (preempted, retried after its driver's node was lost, resumed):
+        // what it ran after no longer matters, even once that is gone from the history.
+        if (j.state == "QUEUED" && j.run.empty() && !check_after(j, reason)) continue;
         if (!reason.empty()) {
           if (reason != j.reason) {
             j.reason = reason;
