@@ -541,23 +541,11 @@ struct Agent::State {
     const proto::DriverStart& m = d.start;
     std::optional<Account> account;
     if (o.run_as.enabled()) account = o.run_as.account_for(m.user);
-    std::vector<std::string> argv = {
-        o.exe.string(),  "supervise",
-        "--job-dir",     d.dir.string(),
-        "--work-dir",    (d.dir / "work").string(),
-        "--max-retries", std::to_string(std::max(0, m.max_retries)),
-        "--log-cap",     std::to_string(std::max<std::int64_t>(m.log_cap, 4096)),
-        "--stop-grace",  fmt::format("{}", m.stop_grace_s)};
-    if (m.resume_on_retry) argv.push_back("--resume-on-retry");
-    if (account) argv.insert(argv.end(), {"--user", account->name});
-    argv.insert(argv.end(), {"--", o.exe.string(), "run",
-                             (d.dir / "work" / fs::path(m.job_file).lexically_normal()).string(),
-                             "--address", o.address});
-    for (const auto& x : m.sets) argv.insert(argv.end(), {"--set", x});
-    if (m.keys) {
-      argv.insert(argv.end(), {"--key", (d.dir / "driver" / "twinkle.key").string(), "--head-key",
-                               m.keys->server_key});
-    }
+    const auto argv = jobs::supervise_command(jobs::DriverCommand{
+        o.exe.string(), d.dir, fs::path(m.job_file).lexically_normal().string(), m.max_retries,
+        static_cast<std::uint64_t>(std::max<std::int64_t>(m.log_cap, 4096)), m.stop_grace_s,
+        m.resume_on_retry, account ? account->name : "", o.address, m.sets,
+        m.keys ? m.keys->server_key : ""});
     d.pid = jobs::start_supervisor(argv, m.job, m.user, m.name);
     d.pid_start = jobs::process_start(d.pid);
     if (!jobs::write_atomic(d.dir / "supervisor",

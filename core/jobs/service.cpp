@@ -835,7 +835,6 @@ struct JobService::State {
     if (o.run_as.enabled()) account = o.run_as.account_for(j.user);
     // A key of the driver's own: what it may do at the head is what this job may. Its public
     // half is kept where the account cannot change it, for a restarted head to admit again.
-    std::vector<std::string> key_args;
     if (!o.head_public.empty()) {
       const auto keys = transport::generate_keypair();
       // A new folder each start: one the account had may hold its links, which this process
@@ -846,7 +845,6 @@ struct JobService::State {
                                false);
       if (!write_atomic(dir / "driver.pub", keys.public_key + "\n"))
         throw Error(fmt::format("cannot write {}", (dir / "driver.pub").string()));
-      key_args = {"--key", (dir / "driver" / "twinkle.key").string(), "--head-key", o.head_public};
       if (account) give_tree(dir / "driver", *account);
       admit_driver(j.id, keys.public_key);
     }
@@ -858,20 +856,10 @@ struct JobService::State {
         give_tree(dir / "work", *account);
       fs::permissions(dir, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
     }
-    std::vector<std::string> argv = {
-        o.exe.string(),  "supervise",
-        "--job-dir",     dir.string(),
-        "--work-dir",    (dir / "work").string(),
-        "--max-retries", std::to_string(std::max(0, j.max_retries - j.retry_base)),
-        "--log-cap",     std::to_string(o.log_cap),
-        "--stop-grace",  fmt::format("{}", j.stop_grace_s)};
-    if (j.resume_on_retry) argv.push_back("--resume-on-retry");
-    if (account) argv.insert(argv.end(), {"--user", account->name});
-    // The job file by its full path: the driver's command line names the job's folder.
-    argv.insert(argv.end(), {"--", o.exe.string(), "run", (dir / "work" / j.job_file).string(),
-                             "--address", o.head_address});
-    for (const auto& x : driver_sets(j)) argv.insert(argv.end(), {"--set", x});
-    argv.insert(argv.end(), key_args.begin(), key_args.end());
+    const auto argv = supervise_command(
+        DriverCommand{o.exe.string(), dir, j.job_file, j.max_retries - j.retry_base, o.log_cap,
+                      j.stop_grace_s, j.resume_on_retry, account ? account->name : "",
+                      o.head_address, driver_sets(j), o.head_public});
     std::error_code ec;
     fs::remove(dir / "exit", ec);
     fs::remove(dir / "attempt", ec);
@@ -1557,8 +1545,7 @@ proto::DriverAck JobService::driver_status(const std::string& node, const proto:
       write_atomic(dir / "exit", fmt::format("{} {}\n", *st.exit, st.retries));
       s.watch(*j);
     } else {
-      ack.done = false;
-      s.watch(*j);  // its retries
+      ack.done = false;  // (tick's watch counts its retries from `attempt`)
       if (auto sig = s.driver_signals.find(j->id); sig != s.driver_signals.end())
         ack.signal = sig->second;
     }

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -104,6 +105,26 @@ class LogWriter {
 };
 
 }  // namespace
+
+std::vector<std::string> supervise_command(const DriverCommand& c) {
+  std::vector<std::string> argv = {c.exe,           "supervise",
+                                   "--job-dir",     c.job_dir.string(),
+                                   "--work-dir",    (c.job_dir / "work").string(),
+                                   "--max-retries", std::to_string(std::max(0, c.max_retries)),
+                                   "--log-cap",     std::to_string(c.log_cap),
+                                   "--stop-grace",  fmt::format("{}", c.stop_grace_s)};
+  if (c.resume_on_retry) argv.push_back("--resume-on-retry");
+  if (!c.account.empty()) argv.insert(argv.end(), {"--user", c.account});
+  // The job file by its full path: the driver's command line names the job's folder.
+  argv.insert(argv.end(), {"--", c.exe, "run", (c.job_dir / "work" / c.job_file).string(),
+                           "--address", c.address});
+  for (const auto& x : c.sets) argv.insert(argv.end(), {"--set", x});
+  if (!c.head_key.empty()) {
+    argv.insert(argv.end(), {"--key", (c.job_dir / "driver" / "twinkle.key").string(), "--head-key",
+                             c.head_key});
+  }
+  return argv;
+}
 
 int start_supervisor(const std::vector<std::string>& argv, std::int64_t id, const std::string& user,
                      const std::string& name) {

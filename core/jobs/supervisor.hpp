@@ -31,6 +31,25 @@ struct SuperviseOptions {
   std::string user;
 };
 
+// A job's driver under its supervisor, as the head and a node's agent start it:
+//   EXE supervise --job-dir DIR --work-dir DIR/work --max-retries N --log-cap B --stop-grace S
+//     [--resume-on-retry] [--user ACCOUNT] -- EXE run DIR/work/JOB --address HEAD
+//     [--set X]... [--key DIR/driver/twinkle.key --head-key HEAD_KEY]
+struct DriverCommand {
+  std::string exe;
+  std::filesystem::path job_dir;
+  std::string job_file;  // inside DIR/work
+  int max_retries = 0;
+  std::uint64_t log_cap = 0;
+  double stop_grace_s = 0;
+  bool resume_on_retry = false;
+  std::string account;  // "": as the supervisor
+  std::string address;  // the head
+  std::vector<std::string> sets;
+  std::string head_key;  // with keys: the head's public key (the driver's pair is in DIR/driver)
+};
+std::vector<std::string> supervise_command(const DriverCommand& c);
+
 // Starts `argv` (a `twinkle supervise` command) detached: its own session, not this process's
 // child, so that it lives on when this process is killed; its environment is this process's with
 // TWINKLE_JOB_ID, TWINKLE_JOB_USER and TWINKLE_JOB_NAME of job `id` (and no TWINKLE_ADDRESS).
