@@ -373,7 +373,13 @@ class JobReader {
         owner[r] = g.name;
         next_rank = std::max(next_rank, r + 1);
       }
-      if (g.recover.empty()) g.recover = job.checkpoint_dir.empty() ? "none" : "checkpoint";
+      // The default: a live copy from a replica where the lost rank has one and only it is
+      // replaced; else the newest checkpoint when there are checkpoints; else a fresh start.
+      if (g.recover.empty()) {
+        g.recover = g.restart == "worker" && g.mesh.size("dp") > 1 ? "peer"
+                    : job.checkpoint_dir.empty()                   ? "none"
+                                                                   : "checkpoint";
+      }
       if (g.recover == "checkpoint" && job.checkpoint_dir.empty()) {
         throw ConfigError(fmt::format(
             "{}: group \"{}\": recover = \"checkpoint\" needs job.checkpoint_dir (where the "
@@ -679,17 +685,12 @@ class JobReader {
     }
     if (auto n = t.get("restart")) {
       g.restart = get_string(*n, gp + ".restart");
-      if (g.restart == "worker") {
-        fail(*n, gp + ".restart",
-             fmt::format("{}: restart = \"worker\" (replacing only the lost ranks) is not "
-                         "available yet; use restart = \"group\", which replaces every worker "
-                         "of the group",
-                         label));
-      }
-      if (g.restart != "group") {
+      if (g.restart != "group" && g.restart != "worker") {
         auto hint = closest_match(g.restart, {"group", "worker"});
         fail(*n, gp + ".restart",
-             fmt::format("{}: restart must be \"group\", not \"{}\"{}", label, g.restart,
+             fmt::format("{}: restart must be \"worker\" (only the lost ranks are replaced) or "
+                         "\"group\" (every worker of the group), not \"{}\"{}",
+                         label, g.restart,
                          hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
       }
     }
@@ -704,18 +705,27 @@ class JobReader {
     }
     if (auto n = t.get("recover")) {
       g.recover = get_string(*n, gp + ".recover");
-      if (g.recover == "peer") {
-        fail(*n, gp + ".recover",
-             fmt::format("{}: recover = \"peer\" (a live copy from a replica) is not available "
-                         "yet; use \"checkpoint\" or \"none\"",
-                         label));
-      }
-      if (g.recover != "checkpoint" && g.recover != "none") {
+      if (g.recover != "peer" && g.recover != "checkpoint" && g.recover != "none") {
         auto hint = closest_match(g.recover, {"checkpoint", "none", "peer"});
         fail(*n, gp + ".recover",
-             fmt::format("{}: recover must be \"checkpoint\" or \"none\", not \"{}\"{}", label,
-                         g.recover,
+             fmt::format("{}: recover must be \"peer\", \"checkpoint\" or \"none\", not "
+                         "\"{}\"{}",
+                         label, g.recover,
                          hint ? fmt::format("; did you mean \"{}\"?", *hint) : std::string()));
+      }
+      if (g.recover == "peer" && g.restart == "group") {
+        fail(*n, gp + ".recover",
+             fmt::format("{}: recover = \"peer\" copies the state from a surviving replica, but "
+                         "restart = \"group\" replaces every worker of the group; use "
+                         "restart = \"worker\", or recover = \"checkpoint\"",
+                         label));
+      }
+      if (g.recover == "peer" && g.mesh.size("dp") < 2) {
+        fail(*n, gp + ".recover",
+             fmt::format("{}: recover = \"peer\" copies the state from a data-parallel replica, "
+                         "but the group's mesh has no dp dimension of 2 or more ({}); use "
+                         "recover = \"checkpoint\" or \"none\"",
+                         label, g.mesh.dimensions_text(true)));
       }
     }
   }

@@ -52,14 +52,16 @@ struct GroupSpec {
   SourceRef where;                             // the [[group]] table
   SourceRef ranks_where;                       // its ranks key (or the table when absent)
   // Restarts (docs/ARCHITECTURE.md, Restarts): how many times in restart_window_s the group's
-  // lost workers are replaced (0: a lost worker ends the run), how ("group": every worker of
-  // the group), and where a replacement's state comes from ("checkpoint": its part of the
-  // newest checkpoint; "none": it starts fresh). recover is "checkpoint" when the job has a
-  // checkpoint_dir and the key is absent.
+  // lost workers are replaced (0: a lost worker ends the run), how ("worker": only the lost
+  // ranks, the others keep their processes and state; "group": every worker of the group), and
+  // where a replacement's state comes from ("peer": a live copy from a surviving data-parallel
+  // replica; "checkpoint": its part of the newest checkpoint; "none": it starts fresh). Without
+  // the key, recover is "peer" for restart = "worker" in a mesh with dp >= 2, else
+  // "checkpoint" when the job has a checkpoint_dir, else "none".
   int max_restarts = 0;
-  std::string restart = "group";
+  std::string restart = "worker";
   double restart_window_s = 600;
-  std::string recover;  // "" until the job is read: then "checkpoint" or "none"
+  std::string recover;  // "" until the job is read: then "peer", "checkpoint" or "none"
 
   int workers() const { return static_cast<int>(ranks.size()); }
 };

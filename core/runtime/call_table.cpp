@@ -55,12 +55,15 @@ std::string CallTable::lost_text(std::size_t peer, const std::string& reason) co
 void CallTable::on_lost(std::size_t peer, const std::string& reason) {
   if (peer >= workers_.size() || expecting_exits_ || lost_) return;
   const std::size_t g = workers_[peer].group;
-  // The other workers of a group that is being restarted were stopped on purpose.
-  if (auto it = restarting_.find(g); it != restarting_.end() && !it->second.respawned) return;
+  // The workers being replaced are stopped on purpose (or gone) until their replacements start.
+  if (auto it = restarting_.find(g); it != restarting_.end() &&
+                                     it->second.phase == Restarting::Phase::waiting &&
+                                     it->second.replaced.count(peer))
+    return;
   std::string text = lost_text(peer, reason);
   if (restarts_.decide) {
     Restarts::Decision d = restarts_.decide(peer, text);
-    if (d.after) return begin_restart(g, text, *d.after);
+    if (d.after) return begin_restart(g, peer, text, *d.after);
     if (!d.text.empty()) text = std::move(d.text);
   }
   lose(peer, std::move(text));
@@ -114,13 +117,24 @@ void CallTable::send_to(std::size_t peer, Message m) {
 
 // A worker of `group` was lost and the group restarts: whatever waits on the group fails with
 // WorkerLost now (the SDK's twinkle::WorkerLost, by the tag), and what is sent to it from now on
-// waits until it is back.
-void CallTable::begin_restart(std::size_t gi, const std::string& text,
+// waits until it is back. With restart = "worker" only `peer` is replaced: the survivors are told
+// to regroup, in turn with what they were sent, and go on answering it.
+void CallTable::begin_restart(std::size_t gi, std::size_t peer, const std::string& text,
                               std::chrono::milliseconds after) {
-  Restarting& r = restarting_[gi];  // a replacement lost before it was ready: again
-  r.respawned = false;
-  r.respawn_at = Clock::now() + after;
+  Restarting& r = restarting_[gi];  // a loss before the group was back: again
   const GroupInfo& g = groups_[gi];
+  r.phase = Restarting::Phase::waiting;
+  r.respawn_at = Clock::now() + after;
+  r.recovering.clear();
+  r.donors.clear();
+  if (restarts_.whole_group && !restarts_.whole_group(gi)) {
+    r.replaced.insert(peer);
+  } else {
+    r.replaced.insert(g.peers.begin(), g.peers.end());
+  }
+  auto replaced_index = [&](int index) {
+    return r.replaced.count(g.peers[static_cast<std::size_t>(index)]) > 0;
+  };
   // Whether a call the caller will wait on fails here (else its next call to the group reports
   // the restart: unobserved_).
   bool reported = false;
@@ -135,6 +149,14 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
       // waiting to be sent after an earlier loss, it uses no retry.
       const bool pending = std::any_of(r.deferred.begin(), r.deferred.end(),
                                        [&](const auto& d) { return d.second.id == it->first; });
+      c.stale.resize(c.workers.size(), 0);
+      for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
+        if (replaced_index(c.workers[pos])) {
+          c.stale[pos] = 0;  // its process is gone: nothing more comes from it
+        } else if (!pending && !c.results[pos] && !c.errors.count(pos)) {
+          ++c.stale[pos];  // a survivor still answers this try
+        }
+      }
       if (!pending) {
         --c.retries_left;
         c.results.assign(c.workers.size(), std::nullopt);
@@ -170,14 +192,17 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
     }
   }
   // An instance being made is made on the replacements instead, once they are there: its
-  // constructor ran on none of them.
+  // constructor ran on none of them. (Survivors answer the create they were sent.)
   for (auto& [id, inst] : instances_) {
     if (inst.group != gi || !inst.creating) continue;
-    inst.acks.clear();
-    std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == id; });
+    std::erase_if(r.deferred,
+                  [&](const auto& d) { return d.second.id == id && r.replaced.count(d.first); });
     const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
-    for (int w : inst.workers)
+    for (int w : inst.workers) {
+      if (!replaced_index(w)) continue;
+      inst.acks.erase(w);
       r.deferred.emplace_back(g.peers[static_cast<std::size_t>(w)], create);
+    }
   }
   if (saving_) {
     reported = true;
@@ -194,9 +219,20 @@ void CallTable::begin_restart(std::size_t gi, const std::string& text,
                        transport::proto::Saved{std::string(TWK_WORKER_LOST_TAG) + text, "", 0, 0});
     }
   }
-  for (std::size_t p : g.peers) {
+  for (std::size_t p : r.replaced) {
     workers_[p].ready = false;
     workers_[p].completed = false;
+  }
+  // The survivors: what they were sent before this is of the group as it was (its collectives
+  // fail on the lost rank); after it they make the group's communicators again.
+  const int generation = restarts_.generation ? restarts_.generation(gi) : 0;
+  for (std::size_t p : g.peers) {
+    if (r.replaced.count(p)) continue;
+    try {
+      channel_.send(p, Message{0, transport::proto::Regroup{generation}});
+    } catch (const TransportError&) {
+      // That survivor is gone too; its loss is on its way.
+    }
   }
 }
 
@@ -205,33 +241,82 @@ void CallTable::advance_restarts() {
   if (lost_ || expecting_exits_) return;  // the run is ending: nothing new starts
   const auto now = Clock::now();
   for (auto& [gi, r] : restarting_) {
-    if (r.respawned || now < r.respawn_at) continue;
-    r.respawned = true;
-    for (std::size_t p : groups_[gi].peers) workers_[p].ready = false;
+    if (r.phase != Restarting::Phase::waiting || now < r.respawn_at) continue;
+    r.phase = Restarting::Phase::starting;
+    for (std::size_t p : r.replaced) workers_[p].ready = false;
     try {
-      restarts_.respawn(gi);
+      restarts_.respawn(gi, std::vector<std::size_t>(r.replaced.begin(), r.replaced.end()));
     } catch (const Error& e) {
-      lose(groups_[gi].peers.front(),
+      lose(*r.replaced.begin(),
            fmt::format("group {} could not be restarted: {}", groups_[gi].name, e.what()));
       return;
     }
   }
 }
 
-// Every replacement of `group` said hello: welcome them, make its instances again with the ids
-// (and so the handles) they had, then send what waited.
+// `peer` is replaced with the rank whose loss began this restart (it did not answer either).
+void CallTable::replace_too(Restarting& r, std::size_t peer) {
+  if (!r.replaced.insert(peer).second) return;
+  WorkerInfo& w = workers_[peer];
+  w.ready = false;
+  w.completed = false;
+  for (auto& [id, c] : calls_) {
+    if (c.group != w.group) continue;
+    for (std::size_t pos = 0; pos < c.workers.size() && pos < c.stale.size(); ++pos) {
+      if (c.workers[pos] == w.index) c.stale[pos] = 0;  // its process goes: no more answers
+    }
+  }
+}
+
+std::optional<std::size_t> CallTable::donor_for(std::size_t peer, const Restarting& r) const {
+  const WorkerInfo& w = workers_[peer];
+  const GroupInfo& g = groups_[w.group];
+  if (!g.mesh.has("dp")) return std::nullopt;
+  for (int rank : g.mesh.group_of(w.index, "dp")) {
+    const std::size_t p = g.peers[static_cast<std::size_t>(rank)];
+    if (p != peer && !r.replaced.count(p)) return p;
+  }
+  return std::nullopt;
+}
+
+// Every replacement of `group` said hello: welcome them, make the group's instances on them
+// again with the ids (and so the handles) they had and, with recover = "peer", have each copy
+// its state from a surviving replica. The group is back when they all did.
+void CallTable::welcome_replacements(std::size_t gi) {
+  Restarting& r = restarting_.at(gi);
+  const GroupInfo& g = groups_[gi];
+  r.phase = Restarting::Phase::recovering;
+  for (std::size_t p : r.replaced) channel_.send(p, Message{0, welcome_(workers_[p])});
+  for (auto& [id, inst] : instances_) {
+    if (inst.group != gi || !inst.made) continue;
+    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
+    for (int w : inst.workers) {
+      const std::size_t p = g.peers[static_cast<std::size_t>(w)];
+      if (!r.replaced.count(p)) continue;
+      inst.acks.erase(w);
+      channel_.send(p, create);
+    }
+  }
+  if (restarts_.from_peer && restarts_.from_peer(gi)) {
+    const int generation = restarts_.generation ? restarts_.generation(gi) : 0;
+    for (std::size_t p : r.replaced) {
+      const auto donor = donor_for(p, r);
+      if (!donor) continue;  // every replica of it is new: it starts fresh
+      const std::uint64_t id = ++next_id_;
+      r.recovering[p] = id;
+      r.donors.push_back(fmt::format("{} from {}", workers_[p].name, workers_[*donor].name));
+      channel_.send(p, Message{id, transport::proto::Recover{*donor, generation}});
+    }
+  }
+  if (r.recovering.empty()) finish_restart(gi);
+}
+
+// The group is back: send what waited.
 void CallTable::finish_restart(std::size_t gi) {
   Restarting r = std::move(restarting_.at(gi));
   restarting_.erase(gi);
-  for (std::size_t p : groups_[gi].peers) send_to(p, Message{0, welcome_(workers_[p])});
-  for (auto& [id, inst] : instances_) {
-    if (inst.group != gi || !inst.made) continue;
-    inst.acks.clear();
-    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
-    for (int w : inst.workers) send_to(groups_[gi].peers[static_cast<std::size_t>(w)], create);
-  }
   for (auto& [peer, m] : r.deferred) send_to(peer, std::move(m));
-  if (restarts_.back) restarts_.back(gi);
+  if (restarts_.back) restarts_.back(gi, fmt::format("{}", fmt::join(r.donors, ", ")));
 }
 
 std::vector<std::size_t> CallTable::waiting_peers() const {
@@ -265,11 +350,14 @@ void CallTable::on_event(ChannelEvent& e) {
   if (e.kind != ChannelEvent::Kind::message || e.peer >= workers_.size()) return;
   WorkerInfo& w = workers_[e.peer];
   Message& m = e.message;
-  // Until a restarting group is back, only its new workers' hellos count: anything else comes
-  // from the processes being replaced (a retried call gets the answers of its new run).
-  if (auto rs = restarting_.find(w.group); rs != restarting_.end()) {
-    // Before the respawn even a hello is from a process about to be replaced.
-    if (!m.get<transport::proto::Hello>() || !rs->second.respawned) return;
+  // Until a restarting group is back, what comes from the workers being replaced counts only
+  // once they are welcomed, and before that only their replacements' hellos: anything else
+  // comes from the processes being replaced (a retried call gets the answers of its new run).
+  auto rs = restarting_.find(w.group);
+  if (rs != restarting_.end() && rs->second.replaced.count(e.peer) &&
+      rs->second.phase != Restarting::Phase::recovering) {
+    if (!m.get<transport::proto::Hello>() || rs->second.phase != Restarting::Phase::starting)
+      return;
   }
   if (auto* hello = m.get<transport::proto::Hello>()) {
     // The channel knows the peer by its identity; a hello that names another worker is not its.
@@ -278,11 +366,28 @@ void CallTable::on_event(ChannelEvent& e) {
     w.host = std::move(hello->host);
     w.serve = std::move(hello->serve);
     w.ready = true;
-    if (auto it = restarting_.find(w.group); it != restarting_.end() && it->second.respawned) {
-      const auto& peers = groups_[w.group].peers;
-      if (std::all_of(peers.begin(), peers.end(), [&](std::size_t p) { return workers_[p].ready; }))
-        finish_restart(w.group);
+    if (rs != restarting_.end() && rs->second.phase == Restarting::Phase::starting) {
+      const auto& replaced = rs->second.replaced;
+      if (std::all_of(replaced.begin(), replaced.end(),
+                      [&](std::size_t p) { return workers_[p].ready; }))
+        welcome_replacements(w.group);
     }
+  } else if (auto* recovered = m.get<transport::proto::Recovered>()) {
+    if (rs == restarting_.end()) return;
+    auto at = rs->second.recovering.find(e.peer);
+    if (at == rs->second.recovering.end() || at->second != m.id) return;
+    if (recovered->error) {
+      return on_lost(e.peer, fmt::format("could not recover its state after the restart: {}",
+                                         *recovered->error));
+    }
+    rs->second.recovering.erase(at);
+    for (auto& d : rs->second.donors) {
+      if (d.starts_with(w.name + " from ")) {
+        d += fmt::format(" ({:.1f} MiB in {:.3f} s)",
+                         static_cast<double>(recovered->bytes) / 1048576, recovered->seconds);
+      }
+    }
+    if (rs->second.recovering.empty()) finish_restart(w.group);
   } else if (auto* created = m.get<transport::proto::Created>()) {
     auto inst = instances_.find(m.id);
     if (inst == instances_.end()) return;
@@ -300,8 +405,12 @@ void CallTable::on_event(ChannelEvent& e) {
     Call& c = it->second;
     const auto pos = static_cast<std::size_t>(
         std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
-    if (c.group != w.group || pos >= c.workers.size() || c.results[pos] || c.errors.count(pos))
+    if (c.group != w.group || pos >= c.workers.size()) return;
+    if (pos < c.stale.size() && c.stale[pos] > 0) {
+      --c.stale[pos];  // a survivor's answer to a try before the retry
       return;
+    }
+    if (c.results[pos] || c.errors.count(pos)) return;
     w.completed = true;
     if (reply->error) {
       c.errors[pos] = std::move(*reply->error);
@@ -316,7 +425,7 @@ void CallTable::on_event(ChannelEvent& e) {
 bool CallTable::pump(std::chrono::milliseconds timeout) {
   advance_restarts();
   for (const auto& [gi, r] : restarting_) {
-    if (r.respawned) continue;
+    if (r.phase != Restarting::Phase::waiting) continue;
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(r.respawn_at - Clock::now()) +
         std::chrono::milliseconds(1);
@@ -607,19 +716,24 @@ EncodedValue CallTable::wait(std::uint64_t future) {
     }
     if (Clock::now() > c.deadline) {
       std::vector<std::string> missing;
-      std::optional<std::size_t> first;
+      std::vector<std::size_t> silent;  // their peers
       for (std::size_t i = 0; i < c.workers.size(); ++i) {
         if (c.results[i] || c.errors.count(i)) continue;
         missing.push_back(std::to_string(c.workers[i]));
-        if (!first) first = groups_[c.group].peers[static_cast<std::size_t>(c.workers[i])];
+        silent.push_back(groups_[c.group].peers[static_cast<std::size_t>(c.workers[i])]);
       }
-      // In a group that restarts, a rank that does not answer in time is lost: it is replaced
-      // with the others, and the call fails with WorkerLost (or runs again: twinkle::retry).
-      if (first && restarts_.restartable && restarts_.restartable(c.group) &&
+      // In a group that restarts, the ranks that do not answer in time are lost: they are
+      // replaced (with the others: restart = "group"), and the call fails with WorkerLost (or
+      // runs again: twinkle::retry). One restart for all of them.
+      if (!silent.empty() && restarts_.restartable && restarts_.restartable(c.group) &&
           !restarting_.count(c.group)) {
-        on_lost(*first, fmt::format("did not answer {} within {:g} s (a call timeout, counted as "
-                                    "its loss)",
-                                    prefix, c.timeout_s));
+        const std::size_t gi = c.group;
+        on_lost(silent.front(), fmt::format("did not answer {} within {:g} s (a call timeout, "
+                                            "counted as its loss)",
+                                            prefix, c.timeout_s));
+        if (auto r = restarting_.find(gi); r != restarting_.end()) {
+          for (std::size_t p : silent) replace_too(r->second, p);
+        }
         it = calls_.find(future);
         if (it == calls_.end()) throw CallError(prefix + ": the call was dropped");
         if (restarting_.count(it->second.group)) continue;

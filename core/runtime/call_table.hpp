@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,15 +63,22 @@ struct Restarts {
   // The loss of `peer` (`text`: "worker model:2 (host h, pid 9) was killed by signal 9"):
   // whether its group restarts.
   std::function<Decision(std::size_t peer, const std::string& text)> decide;
-  // Replaces every worker of the group (the launcher). Throws Error when it cannot.
-  std::function<void(std::size_t group)> respawn;
-  // The group is back: every worker welcomed, its instances made again.
-  std::function<void(std::size_t group)> back;
+  // Replaces these workers of the group (the launcher). Throws Error when it cannot.
+  std::function<void(std::size_t group, const std::vector<std::size_t>& peers)> respawn;
+  // The group is back: every replacement welcomed, its instances made again and, with
+  // recover = "peer", their state copied; `donors`: "model:2 from model:0", or empty.
+  std::function<void(std::size_t group, const std::string& donors)> back;
   // ", with the state of the checkpoint of step 11" or ", without state": for messages.
   std::function<std::string(std::size_t group)> recovered;
   // Whether the group restarts at all (then a call timeout counts as the loss of a rank that
   // did not answer).
   std::function<bool(std::size_t group)> restartable;
+  // restart = "group": every worker is replaced; else only the lost ones (restart = "worker").
+  std::function<bool(std::size_t group)> whole_group;
+  // recover = "peer": a replacement copies its state from a surviving replica.
+  std::function<bool(std::size_t group)> from_peer;
+  // How many times the group restarted (its communicators' generation).
+  std::function<int(std::size_t group)> generation;
 };
 
 // The first worker the run lost while it still needed it.
@@ -182,21 +190,35 @@ class CallTable {
     bool released = false;
     std::optional<std::string> worker_lost;  // its group restarted before every answer came
     int retries_left = 0;                    // twinkle::retry
+    // Per position: answers still due from a survivor for a try before a retry (restart =
+    // "worker"), dropped when they come.
+    std::vector<int> stale;
     std::vector<std::pair<std::size_t, transport::Message>> sent;  // with retries: what to resend
   };
-  // A group between the loss of a worker and its replacements' welcome.
+  // A group between the loss of a worker and the moment it is back: waiting (the backoff),
+  // starting (replacements spawned, their hellos awaited), recovering (welcomed and their
+  // instances made; with recover = "peer", their `recovered` answers awaited).
   struct Restarting {
+    enum class Phase { waiting, starting, recovering } phase = Phase::waiting;
     std::chrono::steady_clock::time_point respawn_at;
-    bool respawned = false;
+    std::set<std::size_t> replaced;  // the peers being replaced (all of them: restart = "group")
+    std::map<std::size_t, std::uint64_t> recovering;                   // peer -> its recover id
+    std::vector<std::string> donors;                                   // "model:2 from model:0"
     std::vector<std::pair<std::size_t, transport::Message>> deferred;  // sent once it is back
   };
 
   void on_event(transport::ChannelEvent& e);
   void on_lost(std::size_t peer, const std::string& reason);
   void lose(std::size_t peer, std::string text);
-  void begin_restart(std::size_t group, const std::string& text, std::chrono::milliseconds after);
+  void begin_restart(std::size_t group, std::size_t peer, const std::string& text,
+                     std::chrono::milliseconds after);
   void advance_restarts();
+  void welcome_replacements(std::size_t group);
+  void replace_too(Restarting& r, std::size_t peer);
   void finish_restart(std::size_t group);
+  // A surviving worker of `peer`'s group with the same mesh coordinates but dp, to copy its
+  // state from (none when every such replica is being replaced too).
+  std::optional<std::size_t> donor_for(std::size_t peer, const Restarting& r) const;
   // Sends now, or once `peer`'s group is back when it is restarting.
   void send_to(std::size_t peer, transport::Message m);
   // Throws WorkerLost for a restart of `group` that the caller has not seen yet.

@@ -49,6 +49,12 @@ class Communicators {
 
   // Destroys every communicator (shutdown).
   void clear() { comms_.clear(); }
+  // The group's lost ranks were replaced (restart = "worker"): its communicators are made again
+  // on next use, with the rendezvous keys of `generation`. Communicators across groups stay.
+  void regroup(int generation) {
+    setup_.generation = generation;
+    std::erase_if(comms_, [this](const auto& c) { return !cross_.count(c.first); });
+  }
 
  private:
   // The group's name in rendezvous keys: "model", "model@2" after its second restart.

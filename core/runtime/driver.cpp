@@ -718,9 +718,13 @@ class JobRun : public HostOps {
     launcher_->set_restartable(std::move(restartable));
     table_->set_restarts(Restarts{
         [this](std::size_t peer, const std::string& text) { return decide_restart(peer, text); },
-        [this](std::size_t g) { respawn(g); }, [this](std::size_t g) { group_back(g); },
+        [this](std::size_t g, const std::vector<std::size_t>& peers) { respawn(g, peers); },
+        [this](std::size_t g, const std::string& donors) { group_back(g, donors); },
         [this](std::size_t g) { return recovered_from(g); },
-        [this](std::size_t g) { return job_.groups.at(g).max_restarts > 0; }});
+        [this](std::size_t g) { return job_.groups.at(g).max_restarts > 0; },
+        [this](std::size_t g) { return job_.groups.at(g).restart == "group"; },
+        [this](std::size_t g) { return job_.groups.at(g).recover == "peer"; },
+        [this](std::size_t g) { return generation_.at(g); }});
   }
 
   // Whether the loss of `peer` restarts its group: the group's budget in its window, and no
@@ -758,8 +762,16 @@ class JobRun : public HostOps {
                                                            times.size() - 1, 5)));
     times.push_back(now);
     ++generation_[w.group];
+    // The communicators of the group's earlier generations never form now: a survivor waiting
+    // at their rendezvous (for the lost rank) gets an error and goes on to its regroup.
+    std::vector<std::string> retired{spec.name + "/"};
+    for (int gen = 1; gen < generation_[w.group]; ++gen)
+      retired.push_back(fmt::format("{}@{}/", spec.name, gen));
+    kv_->retire(std::move(retired), fmt::format("a worker of group {} was lost and is being "
+                                                "replaced; this communicator will not form",
+                                                spec.name));
     restart_log_.push_back(
-        RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group]});
+        RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group], ""});
     std::fflush(stdout);
     std::fprintf(stderr, "twinkle: restarting group %s (restart %zu of %d in %g s)%s: %s\n",
                  spec.name.c_str(), times.size(), spec.max_restarts, spec.restart_window_s,
@@ -769,9 +781,10 @@ class JobRun : public HostOps {
     return {std::optional<std::chrono::milliseconds>(after), ""};
   }
 
-  // Replaces every worker of group `g`; with recover = "checkpoint" they get their parts of the
-  // newest checkpoint of this run (or of the one it resumed from).
-  void respawn(std::size_t g) {
+  // Replaces `peers` of group `g` (every worker with restart = "group"); with recover =
+  // "checkpoint" they get their parts of the newest checkpoint of this run (or of the one it
+  // resumed from).
+  void respawn(std::size_t g, const std::vector<std::size_t>& peers) {
     book_.reset();  // pids and serve endpoints change
     restart_resume_[g].reset();
     if (job_.groups[g].recover == "checkpoint") {
@@ -780,11 +793,14 @@ class JobRun : public HostOps {
         restart_resume_[g] = std::move(n);
     }
     const std::string count = std::to_string(generation_[g]);
-    launcher_->restart(table_->groups()[g].peers,
+    launcher_->restart(peers,
                        {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
+    replaced_.clear();
+    for (std::size_t p : peers) replaced_.push_back(table_->workers()[p].name);
   }
 
   std::string recovered_from(std::size_t g) const {
+    if (job_.groups[g].recover == "peer") return ", with the state of a surviving replica";
     if (job_.groups[g].recover != "checkpoint") return ", without state";
     if (restart_resume_[g])
       return fmt::format(", with the state of the checkpoint of step {}",
@@ -792,19 +808,22 @@ class JobRun : public HostOps {
     return ", without state: no checkpoint yet";
   }
 
-  void group_back(std::size_t g) {
+  void group_back(std::size_t g, const std::string& donors) {
     const std::string& name = table_->groups()[g].name;
     for (auto it = restart_log_.rbegin(); it != restart_log_.rend(); ++it) {
       if (it->group != name || it->recovered_s) continue;
       it->recovered_s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - it->lost_at).count();
       std::fflush(stdout);
-      std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss%s)\n",
-                   name.c_str(), it->number, *it->recovered_s,
-                   restart_resume_[g] ? fmt::format(", from the checkpoint of step {}",
-                                                    restart_resume_[g]->manifest.step)
-                                            .c_str()
-                                      : ", without state");
+      std::string how = ", without state";
+      if (!donors.empty()) {
+        how = ", state copied " + donors;
+      } else if (restart_resume_[g]) {
+        how = fmt::format(", from the checkpoint of step {}", restart_resume_[g]->manifest.step);
+      }
+      it->how = fmt::format("{} replaced{}", fmt::join(replaced_, ", "), how);
+      std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss; %s)\n",
+                   name.c_str(), it->number, *it->recovered_s, it->how.c_str());
       std::fflush(stderr);
       break;
     }
@@ -816,10 +835,11 @@ class JobRun : public HostOps {
     std::fflush(stdout);
     std::fprintf(stderr, "twinkle: %zu restart(s) in this run:\n", restart_log_.size());
     for (const auto& r : restart_log_) {
-      std::fprintf(
-          stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
-          r.cause.substr(0, r.cause.find('\n')).c_str(),
-          r.recovered_s ? fmt::format("back in {:.2f} s", *r.recovered_s).c_str() : "not back");
+      std::fprintf(stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
+                   r.cause.substr(0, r.cause.find('\n')).c_str(),
+                   r.recovered_s
+                       ? fmt::format("back in {:.2f} s ({})", *r.recovered_s, r.how).c_str()
+                       : "not back");
     }
     std::fflush(stderr);
   }
@@ -934,10 +954,12 @@ class JobRun : public HostOps {
     std::chrono::steady_clock::time_point lost_at;
     std::optional<double> recovered_s;  // until the group was back
     int number = 0;                     // the group's generation it started
+    std::string how;                    // "model:2 replaced, state copied model:2 from model:0"
   };
   static constexpr std::size_t kCrashLoopDeaths = 3;
   std::vector<RestartRecord> restart_log_;
-  std::vector<int> generation_;                                                   // by group
+  std::vector<std::string> replaced_;  // the workers the last respawn replaced
+  std::vector<int> generation_;        // by group
   std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
   std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;
   std::vector<std::optional<checkpoint::Found>> restart_resume_;  // by group

@@ -225,6 +225,7 @@ class Worker : public HostOps {
       comms_ = std::make_unique<Communicators>(
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
                                   timeout_, welcome->kv, security_, node_ip_, welcome->generation});
+      generation_ = welcome->generation;
       peers_from(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
         resume_step_ = welcome->resume->step;
@@ -423,7 +424,7 @@ class Worker : public HostOps {
       } else if (auto* join = m->get<proto::CommJoin>()) {
         comms_->join(*join);
       } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>() ||
-                 m->get<proto::Save>()) {
+                 m->get<proto::Save>() || m->get<proto::Regroup>() || m->get<proto::Recover>()) {
         queue_.push_back(Pending{"", std::move(*m)});
       } else {
         link_->drop(fmt::format("a {} message from the driver is not for a worker",
@@ -445,6 +446,10 @@ class Worker : public HostOps {
       }
       if (auto* probe = m.get<proto::Probe>()) {
         calls_->on_probe(*probe);
+        continue;
+      }
+      if (m.get<proto::StatePull>()) {  // a replacement of this worker's group: in turn
+        queue_.push_back(Pending{std::move(r->from), std::move(m)});
         continue;
       }
       if (!m.get<proto::Create>() && !m.get<proto::Call>()) {
@@ -513,6 +518,16 @@ class Worker : public HostOps {
       execute(m, from, [&] { reply(Message{m.id, call(*c, from.empty())}); });
     } else if (auto* s = m.get<proto::Save>()) {
       reply(Message{m.id, save(*s)});
+    } else if (auto* g = m.get<proto::Regroup>()) {
+      regroup(*g);
+    } else if (auto* pull = m.get<proto::StatePull>()) {
+      if (pull->generation > generation_) {
+        held_pulls_.push_back(std::move(p));  // served once this worker is regrouped
+      } else {
+        reply(Message{m.id, state()});
+      }
+    } else if (auto* r = m.get<proto::Recover>()) {
+      reply(Message{m.id, recover(*r)});
     } else if (m.get<proto::Shutdown>()) {
       for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
       instances_.clear();
@@ -664,6 +679,120 @@ class Worker : public HostOps {
     }
   }
 
+  // ----- restart = "worker" (docs/ARCHITECTURE.md, Restarts) --------------------------------
+
+  // Everything sent before this was of the group as it was: the group's communicators are made
+  // again at the new generation (their rendezvous keys are new, so the replacements meet the
+  // survivors there), and replacements that asked for this worker's state get it now.
+  void regroup(const proto::Regroup& g) {
+    generation_ = std::max(generation_, g.generation);
+    comms_->regroup(generation_);
+    std::vector<Pending> held = std::move(held_pulls_);
+    held_pulls_.clear();
+    for (Pending& p : held) {
+      if (p.message.get<proto::StatePull>()->generation > generation_) {
+        held_pulls_.push_back(std::move(p));
+      } else {
+        serve_->reply(p.from, Message{p.message.id, state()});
+      }
+    }
+  }
+
+  // The state of every instance with state, in the order they were made, for a replacement:
+  // what save() gives, its tensors in shared memory for a local replacement.
+  proto::State state() {
+    proto::State out;
+    for (std::uint64_t id : order_) {
+      const Instance& inst = instances_.at(id);
+      if (!inst.cls->save) continue;
+      struct Target {
+        transport::ShmPool* pool;
+        std::optional<EncodedValue> value;
+        std::optional<std::string> error;
+      } t{serve_->pool(), std::nullopt, std::nullopt};
+      twk_sink_v1 sink{
+          &t,
+          [](void* p, const twk_value_v1* v) {
+            auto* t = static_cast<Target*>(p);
+            try {
+              t->value = transport::adopt_to_shm(*v, t->pool);
+            } catch (const std::exception& e) {
+              t->error = e.what();
+            }
+          },
+          [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
+      twk_context_v1 ctx = context();
+      if (inst.cls->save(inst.self, &host_, &ctx, &sink) != TWK_OK || t.error || !t.value) {
+        out.error = fmt::format("{}.save on {}: {}", inst.cls->name, name_,
+                                t.error.value_or("gave no state"));
+        out.entries.clear();
+        return out;
+      }
+      out.entries.push_back(proto::StateEntry{inst.key, inst.cls->name, std::move(*t.value)});
+    }
+    return out;
+  }
+
+  // A replacement's instances take the state of the same instances on `donor`, a surviving
+  // replica, worker to worker: asked for on the donor's socket for calls, loaded with load().
+  proto::Recovered recover(const proto::Recover& r) {
+    const auto& workers = table_->workers();
+    if (r.donor >= workers.size() || r.donor == self_)
+      return proto::Recovered{fmt::format("no worker {} to recover from", r.donor), 0, 0, 0};
+    const std::string donor = workers[r.donor].name;
+    const std::string what = fmt::format("recovering the state of {} from {}", name_, donor);
+    const std::uint64_t id =
+        (static_cast<std::uint64_t>(self_ + 1) << 40) | (std::uint64_t{1} << 39);
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      peers_->send(r.donor, Message{id, proto::StatePull{r.generation}});
+    } catch (const std::exception& e) {
+      return proto::Recovered{fmt::format("{}: {}", what, e.what()), 0, 0, 0};
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    std::optional<proto::State> got;
+    while (!got) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        return proto::Recovered{fmt::format("{}: no answer in {:g} s (the job's timeout_s)", what,
+                                            std::chrono::duration<double>(timeout_).count()),
+                                0, 0, 0};
+      }
+      auto e = peers_->next(left);
+      if (!e || e->peer != r.donor) continue;
+      if (e->kind == transport::ChannelEvent::Kind::lost)
+        return proto::Recovered{fmt::format("{}: {} was lost: {}", what, donor, e->reason), 0, 0,
+                                0};
+      if (e->kind != transport::ChannelEvent::Kind::message || e->message.id != id) continue;
+      if (auto* st = e->message.get<proto::State>()) got = std::move(*st);
+    }
+    if (got->error) return proto::Recovered{fmt::format("{}: {}", what, *got->error), 0, 0, 0};
+    std::uint64_t loaded = 0, bytes = 0;
+    for (auto& entry : got->entries) {
+      const Instance* inst = nullptr;
+      for (const auto& [iid, i] : instances_) {
+        if (i.key == entry.key && i.cls->name == entry.cls) inst = &i;
+      }
+      if (!inst || !inst->cls->load) continue;  // made on the donor only: nothing to load
+      for (const Tensor& t : entry.state.tensors) bytes += t.nbytes();
+      // Shared: the plugin may keep the received tensors (in shared memory) without a copy.
+      Shared state = share(std::move(entry.state));
+      twk_context_v1 ctx = context();
+      SinkCapture err;
+      twk_sink_v1 sink = err.sink();
+      if (inst->cls->load(inst->self, &host_, &ctx, &state.view, &sink) != TWK_OK) {
+        return proto::Recovered{fmt::format("{}: {}.load: {}", what, entry.cls,
+                                            err.error.value_or("failed without a message")),
+                                loaded, bytes, 0};
+      }
+      ++loaded;
+    }
+    return proto::Recovered{
+        std::nullopt, loaded, bytes,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()};
+  }
+
   proto::Reply call(proto::Call& m, bool from_driver) {
     auto it = instances_.find(m.instance);
     if (it == instances_.end()) return proto::Reply{"no such instance on this worker", {}};
@@ -717,7 +846,9 @@ class Worker : public HostOps {
   std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
   std::size_t self_ = 0;                           // this worker's index in the run
   std::deque<Pending> queue_;                      // what waits its turn
-  std::unique_ptr<CallChain> calls_;               // what runs now, and the cycle checks
+  int generation_ = 0;                // the group's restarts this worker has taken part in
+  std::vector<Pending> held_pulls_;   // state pulls of a newer generation than this worker's
+  std::unique_ptr<CallChain> calls_;  // what runs now, and the cycle checks
 };
 
 }  // namespace

@@ -13,11 +13,15 @@
 // bit, as a run that was never stopped. On SIGTERM or SIGUSR1 the driver finishes the epoch,
 // checkpoints and returns (the run exits with 75).
 //
-// Restarts: with [[group]] max_restarts, a lost worker restarts the model group from the newest
-// checkpoint; the driver gets twinkle::WorkerLost, asks the group which epoch its state is at and
-// goes on from there, so no step is applied twice or lost. args.fail_at = "GROUP:RANK:EPOCH" makes
-// that rank abort in that epoch, in its first life only ("GROUP:RANK:EPOCH:always": in every
-// life; EPOCH 0: in its constructor, every life): for the tests.
+// Restarts: with [[group]] max_restarts, a lost worker is replaced (only it: restart = "worker",
+// the default) and takes the state of a surviving replica (recover = "peer", the default), or the
+// whole group restarts from the newest checkpoint (restart = "group"). A replica's state is the
+// one it committed at the end of its last epoch (finish_epoch), as Horovod's state.commit(): the
+// driver gets twinkle::WorkerLost, rolls every replica back to its committed state, which says
+// which epoch it is at, and goes on from there, so no step is applied twice or lost.
+// args.fail_at = "GROUP:RANK:EPOCH" makes that rank abort in that epoch, in its first life only
+// ("GROUP:RANK:EPOCH:always": in every life; EPOCH 0: in its constructor, every life): for the
+// tests.
 #include <twinkle/plugin.hpp>
 
 #include <zlib.h>
@@ -140,6 +144,8 @@ class Mlp {
     init(w2, hidden_, kClasses);
     std::copy(w1.begin(), w1.end(), params_.begin());
     std::copy(w2.begin(), w2.end(), params_.begin() + static_cast<std::ptrdiff_t>(w2_at()));
+    committed_params_ = params_;
+    committed_velocity_ = velocity_;
     if (ctx.device() == "cuda") {
 #ifdef DIGITS_HAVE_CUDA
       // The same initial parameters, then everything happens on the GPU; NCCL sums the gradients.
@@ -180,17 +186,31 @@ class Mlp {
     return Value::map({{"loss", grad[size()] / n}, {"rows", static_cast<std::int64_t>(n)}});
   }
 
-  // The epochs this replica has trained (the driver says when one is done).
-  void finish_epoch(Context&, int epoch) { epoch_ = epoch; }
-  int epoch(Context&) { return epoch_; }
-
-  // The replica's state for checkpoints: parameters, velocities and the epochs done.
-  Value save(Context&) {
+  // An epoch is done on every replica (the driver says so): its state is committed.
+  void finish_epoch(Context&, int epoch) {
+    epoch_ = epoch;
 #ifdef DIGITS_HAVE_CUDA
     if (cuda_) cuda_->download(params_, velocity_);
 #endif
-    return Value::map({{"params", Tensor::from(params_)},
-                       {"velocity", Tensor::from(velocity_)},
+    committed_params_ = params_;
+    committed_velocity_ = velocity_;
+  }
+  // Back to the committed state (after a lost worker, steps of an epoch may have run on some
+  // replicas); returns the epochs it holds.
+  int rollback(Context&) {
+    params_ = committed_params_;
+    velocity_ = committed_velocity_;
+#ifdef DIGITS_HAVE_CUDA
+    if (cuda_) cuda_->restore(params_, velocity_);
+#endif
+    return epoch_;
+  }
+
+  // The replica's committed state, for checkpoints and for a replacement's copy:
+  // parameters, velocities and the epochs done.
+  Value save(Context&) {
+    return Value::map({{"params", Tensor::from(committed_params_)},
+                       {"velocity", Tensor::from(committed_velocity_)},
                        {"epoch", epoch_}});
   }
   void load(Context&, const Value& state) {
@@ -198,12 +218,14 @@ class Mlp {
     auto params = state["params"].tensor().span<double>();
     auto velocity = state["velocity"].tensor().span<double>();
     if (params.size() != size() || velocity.size() != size()) {
-      throw std::runtime_error("the checkpoint holds a model of " + std::to_string(params.size()) +
+      throw std::runtime_error("the state holds a model of " + std::to_string(params.size()) +
                                " parameters, this one has " + std::to_string(size()) +
                                " (args.hidden changed?)");
     }
     params_.assign(params.begin(), params.end());
     velocity_.assign(velocity.begin(), velocity.end());
+    committed_params_ = params_;
+    committed_velocity_ = velocity_;
 #ifdef DIGITS_HAVE_CUDA
     if (cuda_) cuda_->restore(params_, velocity_);
 #endif
@@ -310,6 +332,8 @@ class Mlp {
   int fail_epoch_ = 0;          // args.fail_at for this rank (0: none)
   std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
   std::vector<double> velocity_;
+  std::vector<double> committed_params_;  // as they were at the end of epoch_
+  std::vector<double> committed_velocity_;
 #ifdef DIGITS_HAVE_CUDA
   std::unique_ptr<CudaMlp> cuda_;
 #endif
@@ -320,7 +344,7 @@ TWINKLE_STATE(Mlp, save, load);
 TWINKLE_METHOD(Mlp, train_step, twinkle::dispatch::slice_dp, twinkle::collect::mean);
 TWINKLE_METHOD(Mlp, evaluate, twinkle::dispatch::slice_dp, twinkle::collect::sum);
 TWINKLE_METHOD(Mlp, finish_epoch, twinkle::dispatch::all, twinkle::collect::first);
-TWINKLE_METHOD(Mlp, epoch, twinkle::dispatch::all, twinkle::collect::first);
+TWINKLE_METHOD(Mlp, rollback, twinkle::dispatch::all, twinkle::collect::first);
 
 TWINKLE_DRIVER(main, twinkle::Driver& d) {
   const Value& args = d.args();
@@ -400,8 +424,9 @@ TWINKLE_DRIVER(main, twinkle::Driver& d) {
       eval = model.call("evaluate", x, y).get();
       break;
     } catch (const twinkle::WorkerLost& e) {
-      // The group restarted (from the newest checkpoint, or fresh): go on from its epoch.
-      const int at = model.call("epoch").get().as<int>();
+      // A worker was replaced (with a replica's state, the newest checkpoint's, or fresh):
+      // every replica goes back to its committed state, and the run goes on from its epoch.
+      const int at = model.call("rollback").get().as<int>();
       d.log(
           "a model worker was lost in epoch {}; the group is back at epoch {}, going on from "
           "there",

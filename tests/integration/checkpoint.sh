@@ -62,9 +62,10 @@ start_bg() {
   DRIVER_PID=$!
 }
 
-# restarts.toml: ck.toml whose model group restarts (max_restarts = $1).
+# restarts.toml: ${3:-ck.toml} whose model group restarts (max_restarts = $1), with the group's
+# keys $2 ('restart = "group"'; the defaults: restart = "worker", recover = "peer").
 restart_job() {
-  sed -e "s|^ranks  = 4 .*|ranks  = 4\nmax_restarts = $1|" "$TMP/ck.toml" >"$TMP/restarts.toml"
+  sed -e "s|^ranks  = 4 .*|ranks  = 4\nmax_restarts = $1\n${2:-}|" "$TMP/${3:-ck.toml}" >"$TMP/restarts.toml"
   grep -q "^max_restarts = $1" "$TMP/restarts.toml" || fail "could not add max_restarts"
 }
 
@@ -77,17 +78,53 @@ losses_match() {
 }
 
 case "$CASE" in
+  restart_worker)
+    # Rank 2 aborts in epoch 12; only it is replaced (restart = "worker"), the replacement copies
+    # the state of a surviving replica (recover = "peer"), every replica rolls back to the end of
+    # epoch 11 and the driver goes on from there: the reference's losses, bit for bit. No
+    # checkpoint_dir: nothing is read from disk.
+    for backend in shm gloo; do
+      restart_job 1 "" digits.toml
+      TWINKLE_COLLECTIVES=$backend run 0 "$TWK" run "$TMP/restarts.toml" --set args.fail_at=model:2:12
+      expect_err "twinkle: restarting group model (restart 1 of 1 in 600 s): worker model:2"
+      expect_err "was killed by signal 6 (Aborted)"
+      expect_err "s after the loss; model:2 replaced, state copied model:2 from model:0 (0.1 MiB in "
+      expect_err "twinkle: 1 restart(s) in this run:"
+      expect_err "  group model, rank 2: worker model:2 (host "
+      expect_out "a model worker was lost in epoch 12; the group is back at epoch 11"
+      # The survivors kept their processes: one more model constructor (rank 2's), no more.
+      [ "$(grep -c 'MLP 64-64-10 on rank' "$TMP/out")" -eq 5 ] ||
+        { grep 'MLP 64-64-10 on rank' "$TMP/out"; fail "$backend: more than rank 2 was replaced"; }
+      [ "$(grep -c '^\[model:2\] MLP 64-64-10 on rank 2' "$TMP/out")" -eq 2 ] ||
+        fail "$backend: rank 2 was not replaced"
+      [ "$(grep -c '^epoch 12  loss' "$TMP/out")" -eq 1 ] || fail "$backend: epoch 12 ran twice"
+      losses_match "a worker restart with its state from a replica ($backend)"
+    done
+    # The same with checkpoints written: the copy still comes from the replica.
+    restart_job 1
+    run 0 "$TWK" run "$TMP/restarts.toml" --set args.fail_at=model:1:20
+    expect_err "state copied model:1 from model:0 (0.1 MiB in "
+    losses_match "a worker restart beside checkpoints"
+    # restart = "worker" with recover = "checkpoint": the replacement takes its part of the
+    # newest checkpoint (epoch 11), the survivors roll back to theirs: the same losses.
+    restart_job 1 'recover = "checkpoint"'
+    run 0 "$TWK" run "$TMP/restarts.toml" --set args.fail_at=model:3:12
+    expect_err "s after the loss; model:3 replaced, from the checkpoint of step 11)"
+    losses_match "a worker restart from a checkpoint"
+    expect_clean
+    ;;
   restart_group)
     # Rank 2 aborts in epoch 12; its group restarts from the checkpoint of epoch 11 and the
     # driver goes on from there: the run succeeds with the reference's losses, and says so.
-    restart_job 1
-    run 0 "$TWK" run --quiet "$TMP/restarts.toml" --set args.fail_at=model:2:12
+    restart_job 1 'restart = "group"'
+    run 0 "$TWK" run "$TMP/restarts.toml" --set args.fail_at=model:2:12
     expect_err "twinkle: restarting group model (restart 1 of 1 in 600 s): worker model:2"
     expect_err "was killed by signal 6 (Aborted)"
     expect_err "twinkle: group model is back (restart 1,"
-    expect_err "from the checkpoint of step 11)"
+    expect_err "model:0, model:1, model:2, model:3 replaced, from the checkpoint of step 11)"
     expect_err "twinkle: 1 restart(s) in this run:"
     expect_out "a model worker was lost in epoch 12; the group is back at epoch 11"
+    [ "$(grep -c 'MLP 64-64-10 on rank' "$TMP/out")" -eq 8 ] || fail "the group was not replaced whole"
     # Epochs 12 onwards once each after the restart: the losses are the reference's, in order.
     [ "$(grep -c '^epoch 12  loss' "$TMP/out")" -eq 1 ] || fail "epoch 12 ran twice"
     losses_match "restart from a checkpoint"
@@ -137,7 +174,16 @@ case "$CASE" in
     trap 'kill -KILL $HEAD_PID 2>/dev/null; rm -rf "$TMP"' EXIT
     wait_for "$TMP/head.log" "joined the cluster" 10
     ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
-    restart_job 1
+    # restart = "worker": the node's agent starts rank 2 alone; it copies its state from a
+    # replica over TCP (the run's keys), and the losses are the reference's.
+    restart_job 1 "" digits.toml
+    run 0 "$TWK" run "$TMP/restarts.toml" --set job.mode=remote --address "$ADDR" \
+      --set args.fail_at=model:2:12
+    expect_err "s after the loss; model:2 replaced, state copied model:2 from model:0 (0.1 MiB in "
+    [ "$(grep -c 'MLP 64-64-10 on rank' "$TMP/out")" -eq 5 ] || fail "more than rank 2 was replaced"
+    losses_match "a remote worker restart with its state from a replica"
+    grep -q "restarted 1 worker(s)" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the agent did not restart rank 2"; }
+    restart_job 1 'restart = "group"'
     run 0 "$TWK" run --quiet "$TMP/restarts.toml" --set job.mode=remote --address "$ADDR" \
       --set args.fail_at=model:2:12
     expect_err "twinkle: restarting group model (restart 1 of 1 in 600 s): worker model:2"

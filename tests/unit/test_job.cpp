@@ -143,27 +143,38 @@ TEST_CASE("restart keys", "[job]") {
   const std::string g = "[[group]]\nname = \"g\"\nranks = 2\n";
   Job none = parse(kJob + g);
   CHECK(none.groups[0].max_restarts == 0);
-  CHECK(none.groups[0].restart == "group");
+  CHECK(none.groups[0].restart == "worker");
   CHECK(none.groups[0].restart_window_s == 600);
-  CHECK(none.groups[0].recover == "none");  // no checkpoint_dir
+  CHECK(none.groups[0].recover == "peer");  // two data-parallel replicas: a live copy
+  // One worker (no replica): the checkpoint when there are checkpoints, else a fresh start.
+  const std::string one = "[[group]]\nname = \"g\"\nranks = 1\n";
+  CHECK(parse(kJob + one).groups[0].recover == "none");
+  CHECK(parse(kJob + "checkpoint_dir = \"c\"\n" + one).groups[0].recover == "checkpoint");
+  // tp only: no replica either.
+  CHECK(parse(kJob + g + "mesh = { tp = 2 }\n").groups[0].recover == "none");
   Job ck = parse(kJob + "checkpoint_dir = \"c\"\n" + g +
                  "max_restarts = 3\nrestart = \"group\"\nrestart_window_s = 60\n");
   CHECK(ck.groups[0].max_restarts == 3);
+  CHECK(ck.groups[0].restart == "group");
   CHECK(ck.groups[0].restart_window_s == 60);
-  CHECK(ck.groups[0].recover == "checkpoint");  // the default with a checkpoint_dir
+  CHECK(ck.groups[0].recover == "checkpoint");  // the group's default with a checkpoint_dir
   CHECK(parse(kJob + "checkpoint_dir = \"c\"\n" + g + "recover = \"none\"\n").groups[0].recover ==
         "none");
+  CHECK(parse(kJob + g + "restart = \"group\"\n").groups[0].recover == "none");
+  CHECK(parse(kJob + "checkpoint_dir = \"c\"\n" + g + "recover = \"checkpoint\"\n")
+            .groups[0]
+            .recover == "checkpoint");
   CHECK_THAT(error_of(kJob + g + "recover = \"checkpoint\"\n"),
              Catch::Contains("recover = \"checkpoint\" needs job.checkpoint_dir"));
-  CHECK_THAT(
-      error_of(kJob + g + "restart = \"worker\"\n"),
-      Catch::Contains("restart = \"worker\" (replacing only the lost ranks) is not available "
-                      "yet; use restart = \"group\""));
   CHECK_THAT(error_of(kJob + g + "restart = \"grup\"\n"),
              Catch::Contains("did you mean \"group\"?"));
-  CHECK_THAT(
-      error_of(kJob + g + "recover = \"peer\"\n"),
-      Catch::Contains("recover = \"peer\" (a live copy from a replica) is not available yet"));
+  CHECK_THAT(error_of(kJob + g + "restart = \"group\"\nrecover = \"peer\"\n"),
+             Catch::Contains("restart = \"group\" replaces every worker of the group; use "
+                             "restart = \"worker\", or recover = \"checkpoint\""));
+  CHECK_THAT(error_of(kJob + g + "mesh = { tp = 2 }\nrecover = \"peer\"\n"),
+             Catch::Contains("the group's mesh has no dp dimension of 2 or more (tp=2)"));
+  CHECK_THAT(error_of(kJob + g + "recover = \"pear\"\n"),
+             Catch::Contains("did you mean \"peer\"?"));
   CHECK_THAT(error_of(kJob + g + "max_restarts = -1\n"),
              Catch::Contains("max_restarts must be 0 to 1000, not -1"));
   CHECK_THAT(error_of(kJob + g + "restart_window_s = 0\n"),

@@ -43,21 +43,58 @@ KvServer::~KvServer() {
   if (thread_.joinable()) thread_.join();
 }
 
+void KvServer::retire(std::vector<std::string> prefixes, std::string reason) {
+  {
+    std::lock_guard lock(retire_mu_);
+    for (auto& p : prefixes) retiring_.emplace_back(std::move(p), reason);
+  }
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+}
+
 void KvServer::serve(zmq::socket_t& socket) {
   std::map<std::string, std::string> values;
   std::map<std::string, std::vector<std::pair<std::string, std::uint64_t>>> waiting;
-  auto answer = [&](const std::string& to, std::uint64_t id, const std::string& value) {
+  std::vector<std::pair<std::string, std::string>> retired;  // prefix, reason
+  auto answer = [&](const std::string& to, std::uint64_t id, const std::string& value,
+                    const std::string* error = nullptr) {
     proto::KvValue v;
     v.value.data.assign(value.begin(), value.end());
-    send_message(socket, Message{id, std::move(v)}, &to);
+    if (error) v.error = *error;
+    try {
+      send_message(socket, Message{id, std::move(v)}, &to);
+    } catch (const zmq::error_t&) {
+      // The asker is gone.
+    }
+  };
+  auto retired_reason = [&](const std::string& key) -> const std::string* {
+    for (const auto& [prefix, reason] : retired) {
+      if (key.starts_with(prefix)) return &reason;
+    }
+    return nullptr;
   };
   DropLog drops("the rendezvous store");
   while (!stop_) {
-    // Waits for a request or for the destructor's wake-up: no polling interval to sit out.
+    // Waits for a request or for a wake-up (the destructor, retire): no polling interval.
     zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0},
                                 {nullptr, wake_.get(), ZMQ_POLLIN, 0}};
     zmq::poll(items, 2, std::chrono::milliseconds(-1));
     if (stop_) break;
+    if (items[1].revents & ZMQ_POLLIN) {
+      std::uint64_t n = 0;
+      (void)!::read(wake_.get(), &n, sizeof n);
+      std::lock_guard lock(retire_mu_);
+      for (auto& r : retiring_) retired.push_back(std::move(r));
+      retiring_.clear();
+      for (auto w = waiting.begin(); w != waiting.end();) {
+        if (const std::string* why = retired_reason(w->first)) {
+          for (const auto& [to, id] : w->second) answer(to, id, "", why);
+          w = waiting.erase(w);
+        } else {
+          ++w;
+        }
+      }
+    }
     std::string from;
     std::optional<Message> m;
     try {
@@ -79,6 +116,8 @@ void KvServer::serve(zmq::socket_t& socket) {
     } else if (auto* get = m->get<proto::KvGet>()) {
       if (auto v = values.find(get->key); v != values.end()) {
         answer(from, m->id, v->second);
+      } else if (const std::string* why = retired_reason(get->key)) {
+        answer(from, m->id, "", why);
       } else {
         waiting[get->key].emplace_back(from, m->id);
       }
@@ -127,7 +166,9 @@ std::string KvClient::get(const std::string& key, std::chrono::milliseconds time
     }
     // Answers to earlier requests that timed out are skipped.
     const auto* v = m.get<proto::KvValue>();
-    if (v && m.id == id) return std::string(v->value.data.begin(), v->value.data.end());
+    if (!v || m.id != id) continue;
+    if (v->error) throw TransportError(fmt::format("rendezvous: key \"{}\": {}", key, *v->error));
+    return std::string(v->value.data.begin(), v->value.data.end());
   }
 }
 

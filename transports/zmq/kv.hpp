@@ -5,6 +5,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <zmq.hpp>
 
@@ -29,12 +31,19 @@ class KvServer {
 
   const std::string& endpoint() const { return endpoint_; }
 
+  // Keys that start with one of `prefixes` will never be set (their members were replaced): a
+  // get waiting for one, or asking for one from now on, is answered with `reason` as its error.
+  // Thread-safe.
+  void retire(std::vector<std::string> prefixes, std::string reason);
+
  private:
   void serve(zmq::socket_t& socket);
 
   std::string endpoint_;
   zmq::context_t& context_;
   std::atomic<bool> stop_{false};
+  std::mutex retire_mu_;
+  std::vector<std::pair<std::string, std::string>> retiring_;  // prefix, reason (retire_mu_)
   Fd wake_;  // eventfd: the destructor wakes the thread
   std::thread thread_;
 };

@@ -55,6 +55,9 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
     : socket_(context, zmq::socket_type::router) {
   plain_options(socket_);
   socket_.set(zmq::sockopt::router_mandatory, 1);
+  // A worker replaced after a restart connects under its predecessor's name, perhaps before
+  // this socket saw the old connection go: the name goes to the new one.
+  socket_.set(zmq::sockopt::router_handover, 1);
   if (endpoint.starts_with("tcp://")) {
     if (security.keys) secure_server(socket_, security);
     set_heartbeats(socket_, kHeartbeatInterval, kHeartbeatTimeout);

@@ -29,6 +29,11 @@ const char* to_string(MsgType t) {
     case MsgType::probe: return "probe";
     case MsgType::save: return "save";
     case MsgType::saved: return "saved";
+    case MsgType::regroup: return "regroup";
+    case MsgType::recover: return "recover";
+    case MsgType::recovered: return "recovered";
+    case MsgType::state_pull: return "state_pull";
+    case MsgType::state: return "state";
     case MsgType::node_register: return "node_register";
     case MsgType::node_welcome: return "node_welcome";
     case MsgType::heartbeat: return "heartbeat";

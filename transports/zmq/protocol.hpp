@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 11;
+inline constexpr std::uint16_t kProtocolVersion = 12;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -45,6 +45,12 @@ enum class MsgType : std::uint16_t {
   probe = 13,
   save = 14,
   saved = 15,
+  // restart = "worker" (docs/ARCHITECTURE.md, Restarts): survivors and replacements
+  regroup = 16,
+  recover = 17,
+  recovered = 18,
+  state_pull = 19,
+  state = 61,
   // Cluster messages (remote mode): between the head and its agents, drivers and clients.
   node_register = 20,
   node_welcome = 21,
@@ -284,7 +290,10 @@ struct KvGet {
 struct KvValue {
   static constexpr MsgType kType = MsgType::kv_value;
   Bytes value;
-  static constexpr auto fields() { return std::tuple{field("value", &KvValue::value)}; }
+  std::optional<std::string> error;  // the key will never be set (KvServer::retire)
+  static constexpr auto fields() {
+    return std::tuple{field("value", &KvValue::value), field("error", &KvValue::error)};
+  }
 };
 
 // driver -> worker: its place in a communicator across groups.
@@ -350,8 +359,71 @@ struct Saved {
   }
 };
 
+// driver -> a surviving worker of a group whose lost ranks are being replaced, in turn with its
+// calls: what was sent before it is of the group as it was; from now on the group's
+// communicators are those of `generation` (their rendezvous keys are new).
+struct Regroup {
+  static constexpr MsgType kType = MsgType::regroup;
+  int generation = 0;
+  static constexpr auto fields() { return std::tuple{field("generation", &Regroup::generation)}; }
+};
+
+// driver -> a replacement, after the creates of its instances: copy their state from worker
+// `donor` (a surviving replica; the index in the welcome's workers). Answered with recovered.
+struct Recover {
+  static constexpr MsgType kType = MsgType::recover;
+  std::uint64_t donor = 0;
+  int generation = 0;
+  static constexpr auto fields() {
+    return std::tuple{field("donor", &Recover::donor), field("generation", &Recover::generation)};
+  }
+};
+
+// replacement -> driver, id = the recover: the states it loaded, or why it could not.
+struct Recovered {
+  static constexpr MsgType kType = MsgType::recovered;
+  std::optional<std::string> error;
+  std::uint64_t instances = 0;
+  std::uint64_t bytes = 0;  // of tensors
+  double seconds = 0;       // from the pull to the last load
+  static constexpr auto fields() {
+    return std::tuple{field("error", &Recovered::error), field("instances", &Recovered::instances),
+                      field("bytes", &Recovered::bytes), field("seconds", &Recovered::seconds)};
+  }
+};
+
+// replacement -> donor (its serve socket): the state of every instance that has state, once the
+// donor is at `generation` (it has run what was sent to it before its regroup).
+struct StatePull {
+  static constexpr MsgType kType = MsgType::state_pull;
+  int generation = 0;
+  static constexpr auto fields() { return std::tuple{field("generation", &StatePull::generation)}; }
+};
+
+// One instance's state: its key (docs/ARCHITECTURE.md, Checkpoints), its class, its save().
+struct StateEntry {
+  std::string key;
+  std::string cls;
+  EncodedValue state;
+  static constexpr auto fields() {
+    return std::tuple{field("key", &StateEntry::key), field("cls", &StateEntry::cls),
+                      field("state", &StateEntry::state)};
+  }
+};
+
+// donor -> replacement, id = the state_pull.
+struct State {
+  static constexpr MsgType kType = MsgType::state;
+  std::optional<std::string> error;
+  std::vector<StateEntry> entries;
+  static constexpr auto fields() {
+    return std::tuple{field("error", &State::error), field("entries", &State::entries)};
+  }
+};
+
 using Control = std::variant<Hello, Welcome, Create, Created, Call, Reply, Shutdown, KvSet, KvGet,
-                             KvValue, CommJoin, PeerLost, Probe, Save, Saved>;
+                             KvValue, CommJoin, PeerLost, Probe, Save, Saved, Regroup, Recover,
+                             Recovered, StatePull, State>;
 
 // ----- cluster messages ---------------------------------------------------------------------
 // The head forwards launch, plugin and stop_job to the agent of their `node`, and launched,
