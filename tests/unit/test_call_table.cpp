@@ -613,3 +613,165 @@ TEST_CASE(
   CHECK(e.find("deadlock: a cycle") != std::string::npos);
   CHECK(t.table.waiting_peers().empty());
 }
+
+namespace {
+
+// Restarts as the driver sets them up: restart = "worker" (or "group") with recover = "peer",
+// every loss restarts at once; what the table asks of the launcher and of the run is recorded.
+struct Restarting {
+  std::vector<std::vector<std::size_t>> respawned;  // the peers of each respawn
+  std::vector<std::string> backs;                   // the donors' text of each return
+  int generation = 0;
+
+  Restarts hooks(bool whole_group) {
+    return Restarts{
+        [this](std::size_t, const std::string&) {
+          ++generation;
+          return Restarts::Decision{std::chrono::milliseconds(0), ""};
+        },
+        [this](std::size_t, const std::vector<std::size_t>& peers) { respawned.push_back(peers); },
+        [this](std::size_t, const std::string& donors) { backs.push_back(donors); },
+        [](std::size_t) { return std::string(", with the state of a surviving replica"); },
+        [](std::size_t) { return true; },
+        [whole_group](std::size_t) { return whole_group; },
+        [whole_group](std::size_t) { return !whole_group; },
+        [this](std::size_t) { return generation; }};
+  }
+};
+
+// A class whose "step" is sent again after a restart (twinkle::retry{1}).
+plugins::ClassInfo class_retry() {
+  plugins::ClassInfo c = class_c();
+  c.name = "R";
+  plugins::MethodInfo step = method("step", Dispatch::all, Execute::all, Collect::sum);
+  step.retries = 1;
+  c.methods.push_back(step);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("restart = worker: only the lost rank is replaced and copies a replica's state",
+          "[call_table]") {
+  Table t;
+  Restarting r;
+  t.table.set_restarts(r.hooks(false));
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  // Workers answer creates and recovers; calls are left unanswered.
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 1, 4096, 0.01});
+  };
+  const std::uint64_t f = call_on(t.table, inst, "m", Value::list(), "t.cpp:1");
+  t.channel.lost(1, "was killed by signal 9");
+  t.channel.on_next = [&] {
+    // Once the replacement is started, it says hello (once).
+    if (r.respawned.size() == 1 && !t.table.workers()[1].ready) {
+      t.channel.on_next = nullptr;
+      t.channel.hello(1, 99);
+    }
+  };
+  const std::string lost = Table::error_of([&] { wait_on(t.table, f); });
+  CHECK_THAT(lost, Catch::Contains("worker g:1 (host h, pid 42) was killed by signal 9; group g "
+                                   "restarts. The call had finished on ranks []; it may have run "
+                                   "on ranks [0, 1, 2, 3]"));
+  // A call made now runs once the group is back, on the new worker and the others.
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 1, 4096, 0.01});
+    if (m.type == MsgType::call && m.id != f) t.channel.reply(peer, m.id, Value(1));
+  };
+  const std::uint64_t after = call_on(t.table, inst, "m", Value::list(), "t.cpp:2");
+  CHECK(wait_on(t.table, after) == Value(4));
+  REQUIRE(r.respawned.size() == 1);
+  CHECK(r.respawned[0] == std::vector<std::size_t>{1});
+  // The survivors regrouped at the new generation; nothing of the kind went to the lost rank.
+  for (std::size_t p : {0u, 2u, 3u}) {
+    CHECK(t.channel.last(p, MsgType::regroup).body["generation"] == Value(1));
+    CHECK(t.channel.count(p, MsgType::welcome) == 1);  // theirs from the start only
+    CHECK(t.channel.count(p, MsgType::create) == 1);
+    CHECK(t.channel.count(p, MsgType::recover) == 0);
+  }
+  CHECK(t.channel.count(1, MsgType::regroup) == 0);
+  CHECK(t.channel.count(1, MsgType::welcome) == 2);
+  CHECK(t.channel.count(1, MsgType::create) == 2);
+  // Rank 1 (dp 0, tp 1) copies from rank 3 (dp 1, tp 1): the same coordinates but dp.
+  CHECK(t.channel.last(1, MsgType::recover).body["donor"] == Value(3));
+  REQUIRE(r.backs.size() == 1);
+  CHECK(r.backs[0] == "g:1 from g:3 (0.0 MiB in 0.010 s)");
+  CHECK(t.table.workers()[1].pid == 99);
+}
+
+TEST_CASE("restart = worker: a retried call drops what the survivors answered to its first try",
+          "[call_table]") {
+  Table t;
+  Restarting r;
+  t.table.set_restarts(r.hooks(false));
+  t.start();
+  const plugins::ClassInfo cls = class_retry();
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+  };
+  const std::uint64_t inst = create_on(t.table, cls, 0, Value::list());
+  const std::uint64_t f = call_on(t.table, inst, "step", Value::list(), "t.cpp:1");
+  // Rank 0 answered the first try; ranks 2 and 3 answer it only after the loss (their
+  // collective failed on rank 1): those answers are dropped, the second try's count.
+  t.channel.reply(0, f, Value(100));
+  t.channel.lost(1, "was killed by signal 9");
+  bool second = false;
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 0, 0, 0});
+    if (m.type == MsgType::call && m.id == f) {
+      second = true;
+      t.channel.reply(peer, m.id, Value(1));
+    }
+  };
+  t.channel.on_next = [&] {
+    if (r.respawned.size() == 1 && !t.table.workers()[1].ready) {
+      t.channel.on_next = nullptr;
+      t.channel.reply_error(2, f, "all_reduce failed: rank 1 exited");
+      t.channel.reply_error(3, f, "all_reduce failed: rank 1 exited");
+      t.channel.hello(1, 99);
+    }
+  };
+  CHECK(wait_on(t.table, f) == Value(4));
+  CHECK(second);
+  CHECK(t.channel.count(0, MsgType::call) == 2);  // sent again to every rank
+  CHECK(t.channel.count(1, MsgType::call) == 2);
+}
+
+TEST_CASE("restart = group: every worker is replaced; nobody regroups or copies", "[call_table]") {
+  Table t;
+  Restarting r;
+  t.table.set_restarts(r.hooks(true));
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.lost(2, "exited with code 1");
+  t.channel.on_next = [&] {
+    if (r.respawned.size() == 1 && !t.table.workers()[0].ready) {
+      t.channel.on_next = nullptr;
+      for (std::size_t p = 0; p < 4; ++p) t.channel.hello(p, 90 + static_cast<int>(p));
+    }
+  };
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
+  };
+  // The restart reaches the caller once (no call was waiting), then calls run on the new group.
+  CHECK_THAT(Table::error_of(
+                 [&] { wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:1")); }),
+             Catch::Contains("group g restarted while no call was waiting on it"));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:2")) == Value(4));
+  REQUIRE(r.respawned.size() == 1);
+  CHECK(r.respawned[0] == std::vector<std::size_t>{0, 1, 2, 3});
+  for (std::size_t p = 0; p < 4; ++p) {
+    CHECK(t.channel.count(p, MsgType::regroup) == 0);
+    CHECK(t.channel.count(p, MsgType::recover) == 0);
+    CHECK(t.channel.count(p, MsgType::welcome) == 2);
+  }
+  REQUIRE(r.backs.size() == 1);
+  CHECK(r.backs[0].empty());
+}
