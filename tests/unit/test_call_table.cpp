@@ -601,10 +601,9 @@ TEST_CASE(
   // Inside wait(), as a worker's probe handler would: see whom it waits for, then end it.
   std::vector<std::size_t> seen;
   t.channel.on_next = [&] {
-    if (t.table.waiting_peers() != std::vector<std::size_t>{2}) return;
+    if (!seen.empty() || t.table.waiting_peers() != std::vector<std::size_t>{2}) return;
     seen = t.table.waiting_peers();
     t.table.fail_waiting(2, "deadlock: a cycle");
-    t.channel.on_next = nullptr;
     t.channel.wake();
   };
   const std::string e = Table::error_of([&] { wait_on(t.table, f); });
@@ -665,10 +664,11 @@ TEST_CASE("restart = worker: only the lost rank is replaced and copies a replica
   };
   const std::uint64_t f = call_on(t.table, inst, "m", Value::list(), "t.cpp:1");
   t.channel.lost(1, "was killed by signal 9");
+  bool said = false;
   t.channel.on_next = [&] {
     // Once the replacement is started, it says hello (once).
-    if (r.respawned.size() == 1 && !t.table.workers()[1].ready) {
-      t.channel.on_next = nullptr;
+    if (!said && r.respawned.size() == 1) {
+      said = true;
       t.channel.hello(1, 99);
     }
   };
@@ -730,9 +730,10 @@ TEST_CASE("restart = worker: a retried call drops what the survivors answered to
       t.channel.reply(peer, m.id, Value(1));
     }
   };
+  bool said = false;
   t.channel.on_next = [&] {
-    if (r.respawned.size() == 1 && !t.table.workers()[1].ready) {
-      t.channel.on_next = nullptr;
+    if (!said && r.respawned.size() == 1) {
+      said = true;
       t.channel.reply_error(2, f, "all_reduce failed: rank 1 exited");
       t.channel.reply_error(3, f, "all_reduce failed: rank 1 exited");
       t.channel.hello(1, 99);
@@ -750,9 +751,10 @@ TEST_CASE("restart = group: every worker is replaced; nobody regroups or copies"
   t.table.set_restarts(r.hooks(true));
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
   t.channel.lost(2, "exited with code 1");
+  bool said = false;
   t.channel.on_next = [&] {
-    if (r.respawned.size() == 1 && !t.table.workers()[0].ready) {
-      t.channel.on_next = nullptr;
+    if (!said && r.respawned.size() == 1) {
+      said = true;
       for (std::size_t p = 0; p < 4; ++p) t.channel.hello(p, 90 + static_cast<int>(p));
     }
   };
