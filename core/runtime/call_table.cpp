@@ -311,10 +311,31 @@ void CallTable::welcome_replacements(std::size_t gi) {
   if (r.recovering.empty()) finish_restart(gi);
 }
 
-// The group is back: send what waited.
+// The group is back: the run's other workers learn where the replaced ones serve now (their
+// calls between groups), then what waited is sent.
 void CallTable::finish_restart(std::size_t gi) {
   Restarting r = std::move(restarting_.at(gi));
   restarting_.erase(gi);
+  transport::proto::PeersReplaced moved;
+  std::vector<std::string> names;
+  for (std::size_t p : r.replaced) {
+    const WorkerInfo& w = workers_[p];
+    moved.workers.push_back(
+        transport::proto::WorkerEntry{w.name, w.group, w.index, w.pid, w.host, w.serve});
+    names.push_back(w.name);
+  }
+  moved.text = fmt::format(
+      "worker {} was lost and replaced (its group {} restarted); the call "
+      "may have run on it",
+      fmt::join(names, ", "), groups_[gi].name);
+  for (std::size_t p = 0; p < workers_.size(); ++p) {
+    if (r.replaced.count(p)) continue;
+    try {
+      channel_.send(p, Message{0, moved});
+    } catch (const TransportError&) {
+      // That worker is gone; its loss is on its way.
+    }
+  }
   for (auto& [peer, m] : r.deferred) send_to(peer, std::move(m));
   if (restarts_.back) restarts_.back(gi, fmt::format("{}", fmt::join(r.donors, ", ")));
 }
@@ -343,6 +364,16 @@ void CallTable::fail_waiting(std::size_t peer, const std::string& error) {
     c.errors[pos] = error;
     ++c.answered;
   }
+}
+
+void CallTable::replace_worker(std::size_t peer, int pid, const std::string& host,
+                               const std::string& serve, const std::string& text) {
+  if (peer >= workers_.size()) return;
+  fail_waiting(peer, text);
+  WorkerInfo& w = workers_[peer];
+  w.pid = pid;
+  w.host = host;
+  w.serve = serve;
 }
 
 void CallTable::on_event(ChannelEvent& e) {

@@ -155,6 +155,10 @@ class CallTable {
   // Every call still waiting for `peer` gets `error` as that worker's answer (a cycle of calls
   // that would never end).
   void fail_waiting(std::size_t peer, const std::string& error);
+  // Worker `peer` was replaced (its group restarted): calls that wait on it fail with `text`,
+  // and from now on it is the process of `pid` on `host`, serving at `serve`.
+  void replace_worker(std::size_t peer, int pid, const std::string& host, const std::string& serve,
+                      const std::string& text);
 
   const std::optional<LostWorker>& lost() const { return lost_; }
   const std::vector<WorkerInfo>& workers() const { return workers_; }

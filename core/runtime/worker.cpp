@@ -423,6 +423,15 @@ class Worker : public HostOps {
         if (peers_) peers_->lost(lost->peer, std::move(lost->text));
       } else if (auto* join = m->get<proto::CommJoin>()) {
         comms_->join(*join);
+      } else if (auto* moved = m->get<proto::PeersReplaced>()) {
+        // A group restarted: its new workers serve elsewhere; calls waiting on the old fail.
+        for (const auto& w : moved->workers) {
+          const auto peer = peer_index(w.name);
+          if (!peer || *peer == self_ || !table_ || !peers_) continue;
+          table_->replace_worker(*peer, w.pid, w.host, w.serve, moved->text);
+          peers_->repoint(*peer, w.serve);
+        }
+        peers_->wake();
       } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>() ||
                  m->get<proto::Save>() || m->get<proto::Regroup>() || m->get<proto::Recover>()) {
         queue_.push_back(Pending{"", std::move(*m)});

@@ -380,6 +380,34 @@ PY
     [ "$(grep -c '^\[b:1\] FLAKY . gen 0$' "$TMP/out")" -eq 4 ] || fail "b:1 should have run calls 0 to 3 first"
     expect_clean
     ;;
+  peer_restart)
+    # Group b restarts (restart = "worker") while a:1 waits on b:1, which died: a:1's call fails
+    # as soon as b is back, naming the replaced worker (not at its timeout), and a's next calls
+    # reach b's new worker at its new address.
+    cat >"$TMP/peers.toml" <<TOML
+[job]
+name = "peers"
+plugin = "$PLUGIN"
+timeout_s = 30
+driver = "peer_restart"
+[[group]]
+name = "a"
+ranks = 2
+[[group]]
+name = "b"
+ranks = 2
+max_restarts = 1
+TOML
+    start=$SECONDS
+    run 0 "$TWK" run --quiet "$TMP/peers.toml"
+    [ $((SECONDS - start)) -lt 20 ] || fail "the call into the restarted group waited for its timeout"
+    expect_err "twinkle: group b is back (restart 1,"
+    expect_out "FAILED: [twinkle driver caller: runtime_plugin.cpp:"
+    expect_out "worker b:1 was lost and replaced (its group b restarted); the call may have run on it"
+    expect_out "AFTER a:0 -> b:0[0,1]"
+    expect_out "AFTER a:1 -> b:1[100,101]"
+    expect_clean
+    ;;
   restart_timeout)
     # In a group that restarts, a call timeout is the loss of the ranks that did not answer: the
     # hung workers are replaced (nothing is left sleeping) and the next call runs.

@@ -196,6 +196,14 @@ void PeerChannel::lost(std::size_t peer, std::string reason) {
   events_.lost(peer, std::move(reason));
 }
 
+void PeerChannel::repoint(std::size_t peer, const std::string& endpoint) {
+  if (peer >= endpoints_.size()) return;
+  endpoints_[peer] = endpoint;
+  sockets_[peer].reset();
+  shm_[peer].reset();
+  std::erase(open_, peer);
+}
+
 void PeerChannel::wake() { events_.wake(); }
 
 std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout) {

@@ -94,6 +94,8 @@ class PeerChannel : public CallChannel {
   void send(std::size_t peer, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
   void lost(std::size_t peer, std::string reason) override;
+  // Worker `peer` was replaced and serves at `endpoint` now: the next send connects there.
+  void repoint(std::size_t peer, const std::string& endpoint);
   void wake() override;
   std::uint64_t dropped() const override { return drops_.count(); }
   // Tensors of kShmThreshold bytes or more go straight into shared memory, in segments that are

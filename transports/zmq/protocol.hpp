@@ -51,6 +51,7 @@ enum class MsgType : std::uint16_t {
   recovered = 18,
   state_pull = 19,
   state = 61,
+  peers_replaced = 62,
   // Cluster messages (remote mode): between the head and its agents, drivers and clients.
   node_register = 20,
   node_welcome = 21,
@@ -421,9 +422,21 @@ struct State {
   }
 };
 
+// driver -> the other workers of the run, when a restarted group is back: where its replaced
+// workers serve now; calls that wait on one of them fail with `text` (their worker was lost).
+struct PeersReplaced {
+  static constexpr MsgType kType = MsgType::peers_replaced;
+  std::vector<WorkerEntry> workers;
+  std::string text;
+  static constexpr auto fields() {
+    return std::tuple{field("workers", &PeersReplaced::workers),
+                      field("text", &PeersReplaced::text)};
+  }
+};
+
 using Control = std::variant<Hello, Welcome, Create, Created, Call, Reply, Shutdown, KvSet, KvGet,
                              KvValue, CommJoin, PeerLost, Probe, Save, Saved, Regroup, Recover,
-                             Recovered, StatePull, State>;
+                             Recovered, StatePull, State, PeersReplaced>;
 
 // ----- cluster messages ---------------------------------------------------------------------
 // The head forwards launch, plugin and stop_job to the agent of their `node`, and launched,
