@@ -304,7 +304,7 @@ void CallTable::welcome_replacements(std::size_t gi) {
       if (!donor) continue;  // every replica of it is new: it starts fresh
       const std::uint64_t id = ++next_id_;
       r.recovering[p] = id;
-      r.donors.push_back(fmt::format("{} from {}", workers_[p].name, workers_[*donor].name));
+      r.donors[p] = fmt::format("{} from {}", workers_[p].name, workers_[*donor].name);
       channel_.send(p, Message{id, transport::proto::Recover{*donor, generation}});
     }
   }
@@ -337,7 +337,9 @@ void CallTable::finish_restart(std::size_t gi) {
     }
   }
   for (auto& [peer, m] : r.deferred) send_to(peer, std::move(m));
-  if (restarts_.back) restarts_.back(gi, fmt::format("{}", fmt::join(r.donors, ", ")));
+  std::vector<std::string> donors;
+  for (const auto& [p, text] : r.donors) donors.push_back(text);
+  if (restarts_.back) restarts_.back(gi, fmt::format("{}", fmt::join(donors, ", ")));
 }
 
 std::vector<std::size_t> CallTable::waiting_peers() const {
@@ -412,12 +414,9 @@ void CallTable::on_event(ChannelEvent& e) {
                                          *recovered->error));
     }
     rs->second.recovering.erase(at);
-    for (auto& d : rs->second.donors) {
-      if (d.starts_with(w.name + " from ")) {
-        d += fmt::format(" ({:.1f} MiB in {:.3f} s)",
-                         static_cast<double>(recovered->bytes) / 1048576, recovered->seconds);
-      }
-    }
+    rs->second.donors[e.peer] +=
+        fmt::format(" ({:.1f} MiB in {:.3f} s)", static_cast<double>(recovered->bytes) / 1048576,
+                    recovered->seconds);
     if (rs->second.recovering.empty()) finish_restart(w.group);
   } else if (auto* created = m.get<transport::proto::Created>()) {
     auto inst = instances_.find(m.id);

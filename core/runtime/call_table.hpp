@@ -206,8 +206,8 @@ class CallTable {
     enum class Phase { waiting, starting, recovering } phase = Phase::waiting;
     std::chrono::steady_clock::time_point respawn_at;
     std::set<std::size_t> replaced;  // the peers being replaced (all of them: restart = "group")
-    std::map<std::size_t, std::uint64_t> recovering;                   // peer -> its recover id
-    std::vector<std::string> donors;                                   // "model:2 from model:0"
+    std::map<std::size_t, std::uint64_t> recovering;  // peer -> its recover id
+    std::map<std::size_t, std::string> donors;        // by replaced peer: "model:2 from model:0"
     std::vector<std::pair<std::size_t, transport::Message>> deferred;  // sent once it is back
   };
 

@@ -51,6 +51,7 @@ class Communicators {
   void clear() { comms_.clear(); }
   // The group's lost ranks were replaced (restart = "worker"): its communicators are made again
   // on next use, with the rendezvous keys of `generation`. Communicators across groups stay.
+  int generation() const { return setup_.generation; }
   void regroup(int generation) {
     setup_.generation = generation;
     std::erase_if(comms_, [this](const auto& c) { return !cross_.count(c.first); });

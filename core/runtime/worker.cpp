@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -225,7 +226,6 @@ class Worker : public HostOps {
       comms_ = std::make_unique<Communicators>(
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
                                   timeout_, welcome->kv, security_, node_ip_, welcome->generation});
-      generation_ = welcome->generation;
       peers_from(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
         resume_step_ = welcome->resume->step;
@@ -425,9 +425,10 @@ class Worker : public HostOps {
         comms_->join(*join);
       } else if (auto* moved = m->get<proto::PeersReplaced>()) {
         // A group restarted: its new workers serve elsewhere; calls waiting on the old fail.
+        if (!table_ || !peers_) continue;
         for (const auto& w : moved->workers) {
           const auto peer = peer_index(w.name);
-          if (!peer || *peer == self_ || !table_ || !peers_) continue;
+          if (!peer || *peer == self_) continue;
           table_->replace_worker(*peer, w.pid, w.host, w.serve, moved->text);
           peers_->repoint(*peer, w.serve);
         }
@@ -530,7 +531,7 @@ class Worker : public HostOps {
     } else if (auto* g = m.get<proto::Regroup>()) {
       regroup(*g);
     } else if (auto* pull = m.get<proto::StatePull>()) {
-      if (pull->generation > generation_) {
+      if (pull->generation > comms_->generation()) {
         held_pulls_.push_back(std::move(p));  // served once this worker is regrouped
       } else {
         reply(Message{m.id, state()});
@@ -646,6 +647,31 @@ class Worker : public HostOps {
     return std::nullopt;
   }
 
+  // Runs `inst`'s save(), handing the value it gives to `take` (which may throw) while the
+  // plugin's memory is valid: checkpoints and replacements alike. The error, if any.
+  template <class Take>
+  std::optional<std::string> save_one(const Instance& inst, Take&& take) {
+    struct Target {
+      std::remove_reference_t<Take>* take;
+      std::optional<std::string> error;
+    } t{&take, std::nullopt};
+    twk_sink_v1 sink{
+        &t,
+        [](void* p, const twk_value_v1* v) {
+          auto* t = static_cast<Target*>(p);
+          try {
+            (*t->take)(*v);
+          } catch (const std::exception& e) {
+            t->error = e.what();
+          }
+        },
+        [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
+    twk_context_v1 ctx = context();
+    if (inst.cls->save(inst.self, &host_, &ctx, &sink) != TWK_OK || t.error)
+      return t.error.value_or("failed without a message");
+    return std::nullopt;
+  }
+
   // Writes this worker's part of a checkpoint: the state of every instance that has state, in
   // the order they were made, straight from the plugin's memory to the file.
   proto::Saved save(const proto::Save& m) {
@@ -658,28 +684,10 @@ class Worker : public HostOps {
       checkpoint::PartWriter part(std::filesystem::path(m.dir) / m.file,
                                   static_cast<std::uint32_t>(stateful.size()), m.step);
       for (const Instance* inst : stateful) {
-        struct Target {
-          checkpoint::PartWriter* part;
-          const Instance* inst;
-          std::optional<std::string> error;
-        } t{&part, inst, std::nullopt};
-        twk_sink_v1 sink{
-            &t,
-            [](void* p, const twk_value_v1* v) {
-              auto* t = static_cast<Target*>(p);
-              try {
-                t->part->add(t->inst->key, t->inst->cls->name, *v);
-              } catch (const std::exception& e) {
-                t->error = e.what();
-              }
-            },
-            [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
-        twk_context_v1 ctx = context();
-        if (inst->cls->save(inst->self, &host_, &ctx, &sink) != TWK_OK || t.error) {
-          return proto::Saved{fmt::format("{}.save: {}", inst->cls->name,
-                                          t.error.value_or("failed without a message")),
-                              "", 0, 0};
-        }
+        auto error = save_one(
+            *inst, [&](const twk_value_v1& v) { part.add(inst->key, inst->cls->name, v); });
+        if (error)
+          return proto::Saved{fmt::format("{}.save: {}", inst->cls->name, *error), "", 0, 0};
       }
       const auto written = part.finish();
       return proto::Saved{std::nullopt, written.sha256, written.bytes, stateful.size()};
@@ -694,12 +702,11 @@ class Worker : public HostOps {
   // again at the new generation (their rendezvous keys are new, so the replacements meet the
   // survivors there), and replacements that asked for this worker's state get it now.
   void regroup(const proto::Regroup& g) {
-    generation_ = std::max(generation_, g.generation);
-    comms_->regroup(generation_);
+    comms_->regroup(std::max(comms_->generation(), g.generation));
     std::vector<Pending> held = std::move(held_pulls_);
     held_pulls_.clear();
     for (Pending& p : held) {
-      if (p.message.get<proto::StatePull>()->generation > generation_) {
+      if (p.message.get<proto::StatePull>()->generation > comms_->generation()) {
         held_pulls_.push_back(std::move(p));
       } else {
         serve_->reply(p.from, Message{p.message.id, state()});
@@ -714,30 +721,16 @@ class Worker : public HostOps {
     for (std::uint64_t id : order_) {
       const Instance& inst = instances_.at(id);
       if (!inst.cls->save) continue;
-      struct Target {
-        transport::ShmPool* pool;
-        std::optional<EncodedValue> value;
-        std::optional<std::string> error;
-      } t{serve_->pool(), std::nullopt, std::nullopt};
-      twk_sink_v1 sink{
-          &t,
-          [](void* p, const twk_value_v1* v) {
-            auto* t = static_cast<Target*>(p);
-            try {
-              t->value = transport::adopt_to_shm(*v, t->pool);
-            } catch (const std::exception& e) {
-              t->error = e.what();
-            }
-          },
-          [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
-      twk_context_v1 ctx = context();
-      if (inst.cls->save(inst.self, &host_, &ctx, &sink) != TWK_OK || t.error || !t.value) {
+      std::optional<EncodedValue> value;
+      auto error = save_one(
+          inst, [&](const twk_value_v1& v) { value = transport::adopt_to_shm(v, serve_->pool()); });
+      if (error || !value) {
         out.error = fmt::format("{}.save on {}: {}", inst.cls->name, name_,
-                                t.error.value_or("gave no state"));
+                                error.value_or("gave no state"));
         out.entries.clear();
         return out;
       }
-      out.entries.push_back(proto::StateEntry{inst.key, inst.cls->name, std::move(*t.value)});
+      out.entries.push_back(proto::StateEntry{inst.key, inst.cls->name, std::move(*value)});
     }
     return out;
   }
@@ -855,7 +848,6 @@ class Worker : public HostOps {
   std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
   std::size_t self_ = 0;                           // this worker's index in the run
   std::deque<Pending> queue_;                      // what waits its turn
-  int generation_ = 0;                // the group's restarts this worker has taken part in
   std::vector<Pending> held_pulls_;   // state pulls of a newer generation than this worker's
   std::unique_ptr<CallChain> calls_;  // what runs now, and the cycle checks
 };
