@@ -222,6 +222,18 @@ struct Agent::State {
       if (!m.restart || !j.spawner || j.stopper.joinable() || j.done)
         return fail_launch(run, "this node already runs workers of that run");
       if (m.user != j.user) return fail_launch(run, "a restart of the run for another member");
+      // Workers moved here from a DEAD node: the run holds more of this node now.
+      if (m.cpus > j.cpus && j.cgroup) {
+        try {
+          j.cgroup->set_cpus(m.cpus);
+        } catch (const Error& e) {
+          log(fmt::format("run {}: {}", run, e.what()));
+        }
+      }
+      j.cpus = std::max(j.cpus, m.cpus);
+      for (int g : m.gpus) {
+        if (std::find(j.gpus.begin(), j.gpus.end(), g) == j.gpus.end()) j.gpus.push_back(g);
+      }
       j.launch = std::move(m);
       return spawn(j);
     }

@@ -378,6 +378,80 @@ struct Head::State {
     send(from, Message{request, std::move(r)});
   }
 
+  // Room for workers of a run whose node is DEAD (restart = "worker" there): on live nodes other
+  // than `exclude`, from what nobody holds; the run holds the new slots from now on.
+  void on_relocate(const std::string& from, const std::string& user, std::uint64_t request,
+                   const proto::Relocate& b) {
+    proto::Reservation r;
+    auto run = runs.find(b.run);
+    if (run == runs.end() || !speaks_for(run->second, from, user)) {
+      r.kind = "infeasible";
+      r.message = fmt::format("the head holds no reservation of run {} for this driver", b.run);
+      send(from, Message{request, std::move(r)});
+      return;
+    }
+    const std::vector<GroupDemand> demands = to_demands(b.groups);
+    const bool ranks_match =
+        b.ranks.size() == b.groups.size() &&
+        std::equal(b.ranks.begin(), b.ranks.end(), b.groups.begin(),
+                   [](const std::vector<int>& rs, const proto::GroupDemandEntry& g) {
+                     return static_cast<int>(rs.size()) == g.workers;
+                   });
+    if (!ranks_match) {
+      r.kind = "infeasible";
+      r.message = "the relocation's ranks do not match its groups";
+      send(from, Message{request, std::move(r)});
+      return;
+    }
+    std::vector<NodeCapacity> free = capacity(true);
+    std::erase_if(free, [&](const NodeCapacity& c) {
+      return std::find(b.exclude.begin(), b.exclude.end(), c.id) != b.exclude.end();
+    });
+    std::string why;
+    const auto slots = schedule(std::move(free), demands, &why);
+    if (!slots) {
+      r.kind = "busy";
+      r.message = fmt::format("{}; {}", why, cluster_text(demands));
+      send(from, Message{request, std::move(r)});
+      return;
+    }
+    r.ok = true;
+    std::set<std::string> listed;
+    std::vector<proto::RankPlace> places;
+    for (std::size_t g = 0; g < slots->size(); ++g) {
+      std::vector<proto::SlotEntry> list;
+      for (std::size_t k = 0; k < (*slots)[g].size(); ++k) {
+        const Slot& sl = (*slots)[g][k];
+        list.push_back(proto::SlotEntry{sl.node, sl.gpus});
+        places.push_back(proto::RankPlace{b.groups[g].name, b.ranks[g][k], sl.node, sl.gpus});
+        if (listed.insert(sl.node).second) {
+          const Node& n = nodes.at(sl.node);
+          r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
+        }
+      }
+      r.groups.push_back(std::move(list));
+    }
+    for (Bundle& add : bundles_of(*slots, demands)) {
+      auto& held = run->second.bundles;
+      auto same = std::find_if(held.begin(), held.end(),
+                               [&](const Bundle& x) { return x.node == add.node; });
+      if (same == held.end()) {
+        held.push_back(std::move(add));
+      } else {
+        same->cpus += add.cpus;
+        same->memory += add.memory;
+        same->gpus.insert(same->gpus.end(), add.gpus.begin(), add.gpus.end());
+      }
+    }
+    std::vector<std::string> moved;
+    for (const auto& p : places)
+      moved.push_back(fmt::format("{}:{} to {}", p.group, p.rank, p.node));
+    log(fmt::format("run {} (job {}) moves worker(s) off a DEAD node: {}", b.run, run->second.job,
+                    fmt::join(moved, ", ")));
+    if (jobs) jobs->moved(b.run, places);
+    send(from, Message{request, std::move(r)});
+  }
+
   // Where `demands` would go now: the slots, with `r` the answer to send (ok, its nodes and
   // groups), or nullopt with `r` saying why not ("infeasible": never on this cluster; "busy":
   // held by others, named). `run`'s own reservation does not count as another's.
@@ -823,6 +897,8 @@ struct Head::State {
             on_dashboard_link(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Reserve>) {
             on_reserve(from, user, m.id, b);
+          } else if constexpr (std::is_same_v<T, proto::Relocate>) {
+            on_relocate(from, user, m.id, b);
           } else if constexpr (std::is_same_v<T, proto::Lease>) {
             auto r = runs.find(b.run);
             if (r != runs.end() && speaks_for(r->second, from, user)) {

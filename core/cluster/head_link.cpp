@@ -74,6 +74,27 @@ HeadLink::HeadLink(const std::string& address, const transport::SocketSecurity& 
 HeadLink::~HeadLink() { stop(std::chrono::milliseconds(0)); }
 
 Message HeadLink::request(const Message& m, MsgType expect, std::chrono::milliseconds timeout) {
+  auto failed = [&] {
+    return TransportError(fmt::format(
+        "the head at {} did not answer a {} within {} s", address_, transport::to_string(m.type()),
+        std::chrono::duration_cast<std::chrono::seconds>(timeout).count()));
+  };
+  if (thread_.joinable()) {
+    // The link's thread owns the socket: the answer comes through it.
+    if (m.id == 0) throw TransportError("a request to the head after start() needs an id");
+    std::future<Message> answer;
+    {
+      std::lock_guard lock(mu_);
+      Waiting& w = waiting_[m.id];
+      w.expect = expect;
+      answer = w.answer.get_future();
+    }
+    post(m);
+    if (answer.wait_for(timeout) == std::future_status::ready) return answer.get();
+    std::lock_guard lock(mu_);
+    waiting_.erase(m.id);
+    throw failed();
+  }
   transport::send_message(socket_, m);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
@@ -91,9 +112,17 @@ Message HeadLink::request(const Message& m, MsgType expect, std::chrono::millise
     }
     if (r->type() == expect && (m.id == 0 || r->id == m.id)) return std::move(*r);
   }
-  throw TransportError(fmt::format(
-      "the head at {} did not answer a {} within {} s", address_, transport::to_string(m.type()),
-      std::chrono::duration_cast<std::chrono::seconds>(timeout).count()));
+  throw failed();
+}
+
+bool HeadLink::answered(Message& m) {
+  if (m.id == 0) return false;
+  std::lock_guard lock(mu_);
+  auto it = waiting_.find(m.id);
+  if (it == waiting_.end() || it->second.expect != m.type()) return false;
+  it->second.answer.set_value(std::move(m));
+  waiting_.erase(it);
+  return true;
 }
 
 void HeadLink::start(Handler on_message, Beat beat) {
@@ -162,6 +191,7 @@ void HeadLink::loop() {
         drops_.drop(e.what());
         continue;
       }
+      if (answered(*m)) continue;
       if (on_message_) on_message_(*m);
     }
   }

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,8 +43,9 @@ class HeadLink {
 
   const std::string& address() const { return address_; }
 
-  // Before start(): sends `m` and waits up to `timeout` for a message of type `expect` (others
-  // are dropped). Throws TransportError when none comes.
+  // Sends `m` and waits up to `timeout` for a message of type `expect` with its id (before
+  // start(), others are dropped; after it, they go to the handler and the answer is taken off the
+  // link's thread: `m` needs an id then). Throws TransportError when none comes.
   Message request(const Message& m, MsgType expect, std::chrono::milliseconds timeout);
   // The same, returning the answer's body.
   template <class Answer>
@@ -66,6 +69,15 @@ class HeadLink {
  private:
   void loop();
   void flush_outbox();
+  // The link's thread: whether `m` answers a request() made after start() (then it is handed to
+  // that request).
+  bool answered(Message& m);
+
+  // A request() after start() that waits for its answer.
+  struct Waiting {
+    MsgType expect;
+    std::promise<Message> answer;
+  };
 
   std::string address_;
   zmq::context_t context_;
@@ -75,6 +87,7 @@ class HeadLink {
   Fd wake_;
   std::mutex mu_;
   std::deque<Message> outbox_;
+  std::map<std::uint64_t, Waiting> waiting_;  // by request id (mu_)
   std::atomic<bool> stop_{false};
   transport::DropLog drops_{"the link to the head"};  // the link's thread's
   std::thread thread_;

@@ -50,6 +50,21 @@ std::string owner_name() {
 
 class ClusterLauncher;
 
+// The node `node` of the head's answer `reply`, with the address the answer gives it.
+NodeSlot node_slot(const proto::Reservation& reply, const std::string& node, bool planned) {
+  auto where = std::find_if(reply.nodes.begin(), reply.nodes.end(),
+                            [&](const proto::NodeAddress& n) { return n.node == node; });
+  if (where == reply.nodes.end())
+    throw TransportError(
+        fmt::format("the head placed a worker on node {} without its address", node));
+  NodeSlot slot;
+  slot.id = node;
+  slot.address = where->address;
+  slot.host = fmt::format("{} {}", node, slot.address);
+  slot.planned = planned;
+  return slot;
+}
+
 std::string driver_identity() {
   std::random_device rd;
   return fmt::format("driver/{:08x}{:08x}", rd(), rd());
@@ -131,6 +146,11 @@ class ClusterSite : public RemoteSite {
   const std::string& run() const { return run_; }
   // One more group restart of the run (the next lease tells the head).
   void restarted() { ++restarts_; }
+  // Room for workers whose node is DEAD, on other nodes (the head's answer).
+  proto::Reservation relocate(proto::Relocate r) {
+    r.run = run_;
+    return link_.request<proto::Reservation>(Message{++request_id_, std::move(r)}, kRequestTimeout);
+  }
 
  private:
   proto::Reserve demand(const Job& job, const std::string& run_id, bool dry_run) const {
@@ -166,16 +186,26 @@ class ClusterLauncher : public Launcher {
  public:
   ClusterLauncher(ClusterSite& site, const Job& job, const Placement& placement,
                   RemoteSite::Launch launch, transport::CallChannel& channel)
-      : site_(site), job_(job.name), launch_(std::move(launch)), channel_(channel) {
-    for (const auto& gp : placement.groups) {
-      for (const auto& w : gp.workers) {
+      : site_(site),
+        job_(job.name),
+        launch_(std::move(launch)),
+        channel_(channel),
+        placement_(placement),
+        demands_(jobs::group_demands(job)) {
+    for (std::size_t gi = 0; gi < placement.groups.size(); ++gi) {
+      const auto& gp = placement.groups[gi];
+      for (std::size_t wi = 0; wi < gp.workers.size(); ++wi) {
+        const auto& w = gp.workers[wi];
         names_.push_back(fmt::format("{}:{}", gp.group->name, w.index));
+        where_.emplace_back(gi, wi);
         peer_node_.push_back(placement.nodes.at(w.node).id);
-        gpus_[placement.nodes.at(w.node).id];
         auto& g = gpus_[placement.nodes.at(w.node).id];
         g.insert(g.end(), w.gpus.begin(), w.gpus.end());
       }
     }
+    // Room for every node a worker may move to: kill_now() reads it from a signal handler, so it
+    // never reallocates.
+    nodes_.reserve(placement.nodes.size() + names_.size());
     for (const auto& n : placement.nodes) nodes_.push_back(n.id);
     exited_.assign(names_.size(), false);
     sha_ = sha256_file(launch_.plugin);
@@ -204,25 +234,24 @@ class ClusterLauncher : public Launcher {
 
   // A group's restart on the nodes its workers ran on: the agents kill those that still run
   // (their exits are awaited, not reported), then start replacements, which connect to the
-  // driver's channel under the same names. A node that is DEAD cannot take its workers back.
-  void restart(const std::vector<std::size_t>& peers,
-               const std::vector<std::string>& env) override {
+  // driver's channel under the same names. Workers whose node is DEAD start on another node that
+  // the head gives the run (relocate()).
+  std::string restart(const std::vector<std::size_t>& peers,
+                      const std::vector<std::string>& env) override {
     std::map<std::string, std::vector<std::string>> running;  // node -> names to kill
+    std::vector<std::size_t> moving;                          // on DEAD nodes
     {
       std::lock_guard lock(mu_);
       for (std::size_t p : peers) {
         if (dead_.count(peer_node_[p])) {
-          throw Error(fmt::format(
-              "worker {} cannot be restarted: its node {} is DEAD, and remote restarts replace "
-              "workers on their own node",
-              names_[p], peer_node_[p]));
-        }
-        if (!exited_[p]) {
+          moving.push_back(p);
+        } else if (!exited_[p]) {
           replacing_.insert(p);
           running[peer_node_[p]].push_back(names_[p]);
         }
       }
     }
+    const std::string where = moving.empty() ? std::string() : relocate(moving);
     for (const auto& [node, names] : running) {
       proto::StopJob k{site_.run(), node, 0, {}};
       k.workers = names;
@@ -245,6 +274,7 @@ class ClusterLauncher : public Launcher {
     }
     launch(peers, true);
     site_.restarted();
+    return where;
   }
 
   void expect_exits() override { expecting_ = true; }
@@ -298,8 +328,8 @@ class ClusterLauncher : public Launcher {
   }
 
  private:
-  // Asks the agents of `peers` to start them (`restart`: into the run they run already) and
-  // waits until each of those nodes has.
+  // Asks the agents of `peers` to start them (into the run, where they run it already) and waits
+  // until each of those nodes has.
   void launch(const std::vector<std::size_t>& peers, bool restart) {
     std::set<std::string> targets;
     {
@@ -319,7 +349,7 @@ class ClusterLauncher : public Launcher {
       l.sha256 = sha_;
       l.endpoint = launch_.endpoint;
       l.gpus = gpus_[node];
-      l.restart = restart;
+      l.restart = hosting_.count(node) > 0;
       for (std::size_t i = 0; i < names_.size(); ++i) {
         if (peer_node_[i] == node) ++l.cpus;  // what the run holds there, all of it
       }
@@ -353,6 +383,87 @@ class ClusterLauncher : public Launcher {
                               fmt::join(missing, ", "), restart ? "restart" : "start",
                               kLaunchTimeout.count()));
     }
+    hosting_.insert(targets.begin(), targets.end());
+  }
+
+  // Asks the head for room for `moving` (workers of one group whose node is DEAD) on other live
+  // nodes, and starts them there from now on: their node, GPUs and the variables that depend on
+  // where they run (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, CUDA_VISIBLE_DEVICES). Returns where,
+  // for the driver's "back" line. Throws Error when the cluster has no room.
+  std::string relocate(const std::vector<std::size_t>& moving) {
+    const std::size_t gi = where_.at(moving.front()).first;
+    GroupPlacement& gp = placement_.groups.at(gi);
+    proto::Relocate ask;
+    ask.groups.push_back(demands_.at(gi));
+    ask.groups.back().workers = static_cast<int>(moving.size());
+    ask.ranks.emplace_back();
+    std::set<std::string> from;
+    std::vector<std::string> names;
+    for (std::size_t p : moving) {
+      ask.ranks.back().push_back(gp.workers.at(where_[p].second).index);
+      from.insert(peer_node_[p]);
+      names.push_back(names_[p]);
+    }
+    // strict_spread: never on a node where another worker of the group runs.
+    if (ask.groups.back().strategy == "strict_spread") {
+      for (std::size_t p = 0; p < names_.size(); ++p) {
+        if (where_[p].first == gi && !from.count(peer_node_[p]))
+          ask.exclude.push_back(peer_node_[p]);
+      }
+    }
+    const proto::Reservation r = site_.relocate(std::move(ask));
+    if (!r.ok) {
+      throw Error(fmt::format(
+          "{} cannot start again: node {} is DEAD and the cluster has no room "
+          "for {} elsewhere: {}{}",
+          fmt::join(names, ", "), fmt::join(from, ", "), moving.size() == 1 ? "it" : "them",
+          r.message, r.holders.empty() ? "" : "; held by " + r.holders));
+    }
+    if (r.groups.size() != 1 || r.groups[0].size() != moving.size())
+      throw TransportError("the head answered a relocation with another number of workers");
+    std::set<std::string> to;
+    {
+      std::lock_guard lock(mu_);
+      for (std::size_t k = 0; k < moving.size(); ++k) {
+        const std::size_t p = moving[k];
+        const proto::SlotEntry& slot = r.groups[0][k];
+        auto known = std::find_if(placement_.nodes.begin(), placement_.nodes.end(),
+                                  [&](const NodeSlot& n) { return n.id == slot.node; });
+        if (known == placement_.nodes.end()) {
+          placement_.nodes.push_back(node_slot(r, slot.node, false));
+          known = placement_.nodes.end() - 1;
+          nodes_.push_back(slot.node);
+        }
+        WorkerPlacement& w = gp.workers.at(where_[p].second);
+        auto& old = gpus_[peer_node_[p]];
+        for (int g : w.gpus) old.erase(std::remove(old.begin(), old.end(), g), old.end());
+        w.node = static_cast<int>(known - placement_.nodes.begin());
+        w.gpus = slot.gpus;
+        auto& now = gpus_[slot.node];
+        now.insert(now.end(), slot.gpus.begin(), slot.gpus.end());
+        peer_node_[p] = slot.node;
+        to.insert(slot.node);
+      }
+    }
+    // The variables that depend on where a worker runs: of every worker of the group, since
+    // LOCAL_WORLD_SIZE counts the new ones too (survivors keep what they started with).
+    for (std::size_t p : moving) {
+      const auto env = worker_env({}, placement_, gi, where_[p].second, Rendezvous{}, RunInfo{});
+      std::vector<std::string> placed;
+      for (const auto& kv : env) {
+        for (const char* key :
+             {"LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "GROUP_RANK=", "CUDA_VISIBLE_DEVICES="}) {
+          if (kv.starts_with(key)) placed.push_back(kv);
+        }
+      }
+      override_env(launches_.at(p).env, placed);
+    }
+    const std::string text =
+        fmt::format("on node {} (node {} is DEAD)", fmt::join(to, ", "), fmt::join(from, ", "));
+    std::fprintf(stderr, "twinkle: %s start %s\n",
+                 fmt::format("{}", fmt::join(names, ", ")).c_str(), text.c_str());
+    std::fflush(stderr);
+    return text;
   }
 
   void post_stop(const std::string& node, std::chrono::milliseconds grace) const {
@@ -424,23 +535,47 @@ class ClusterLauncher : public Launcher {
     channel_.lost(peer, std::move(reason));
   }
 
+  // A node of the run is DEAD: its workers are lost. Where all of them belong to groups that
+  // restart, each group's are reported as one loss (the driver restarts them elsewhere) and the
+  // others go on; otherwise the run stops.
   void node_dead(const proto::NodeDead& b) {
+    std::vector<std::size_t> there;
+    bool restart = true;
     {
       std::lock_guard lock(mu_);
       dead_.insert(b.node);
       cv_.notify_all();
+      for (std::size_t i = 0; i < names_.size(); ++i) {
+        if (peer_node_[i] != b.node) continue;
+        there.push_back(i);
+        restart = restart && i < restartable_.size() && restartable_[i];
+      }
     }
-    if (expecting_ || failed_.exchange(true)) return;
+    if (expecting_ || there.empty()) return;
     std::vector<std::string> ranks;
-    std::size_t first = names_.size();
-    for (std::size_t i = 0; i < names_.size(); ++i) {
-      if (peer_node_[i] != b.node) continue;
-      ranks.push_back(names_[i]);
-      first = std::min(first, i);
-    }
-    if (first == names_.size()) return;
+    for (std::size_t i : there) ranks.push_back(names_[i]);
     const std::string reason = fmt::format("its node {} ({}) is DEAD: {}; the ranks there were {}",
                                            b.node, b.host, b.reason, fmt::join(ranks, ", "));
+    if (restart && !failed_) {
+      std::fprintf(stderr, "twinkle: node %s is DEAD (%s); lost worker(s) %s\n", b.node.c_str(),
+                   b.reason.c_str(), fmt::format("{}", fmt::join(ranks, ", ")).c_str());
+      std::fflush(stderr);
+      std::map<std::size_t, std::vector<std::size_t>> by_group;
+      {
+        std::lock_guard lock(mu_);
+        for (std::size_t i : there) {
+          exited_[i] = true;  // nothing of it is left to kill
+          by_group[where_[i].first].push_back(i);
+        }
+      }
+      for (auto& [g, peers] : by_group) {
+        const std::size_t first = peers.front();
+        channel_.lost(first, reason, std::vector<std::size_t>(peers.begin() + 1, peers.end()));
+      }
+      return;
+    }
+    if (failed_.exchange(true)) return;
+    const std::size_t first = there.front();
     std::fprintf(stderr, "twinkle: node %s is DEAD (%s); lost worker(s) %s; stopping the others\n",
                  b.node.c_str(), b.reason.c_str(),
                  fmt::format("{}", fmt::join(ranks, ", ")).c_str());
@@ -453,8 +588,11 @@ class ClusterLauncher : public Launcher {
   std::string job_;
   RemoteSite::Launch launch_;
   transport::CallChannel& channel_;
-  std::vector<std::string> names_;      // by peer
-  std::vector<std::string> peer_node_;  // by peer: its node id
+  Placement placement_;  // where the workers run (relocate() moves those of DEAD nodes)
+  std::vector<proto::GroupDemandEntry> demands_;            // by group: what it asks of a node
+  std::vector<std::string> names_;                          // by peer
+  std::vector<std::pair<std::size_t, std::size_t>> where_;  // by peer: its group, its worker
+  std::vector<std::string> peer_node_;  // by peer: its node id (mu_ for writes off the driver)
   std::vector<WorkerLaunch> launches_;  // by peer: as start() got them, with restarts' variables
   std::vector<bool> restartable_;       // by peer: its group restarts (set_restartable)
   std::vector<bool> exited_;            // by peer: its process is known to have exited (mu_)
@@ -470,6 +608,7 @@ class ClusterLauncher : public Launcher {
   std::mutex mu_;
   std::condition_variable cv_;
   std::set<std::string> launched_, stopped_, dead_;
+  std::set<std::string> hosting_;  // nodes that run the run (started some of its workers)
   std::string launch_error_;
   std::vector<std::string> signalled_;
   bool stop_sent_ = false;
@@ -503,21 +642,7 @@ Placement placement_of(const Job& job, const proto::Reservation& reply, bool pla
     for (std::size_t wi = 0; wi < slots.size(); ++wi) {
       const auto& sl = slots[wi];
       auto [it, fresh] = index.emplace(sl.node, static_cast<int>(p.nodes.size()));
-      if (fresh) {
-        auto where = std::find_if(reply.nodes.begin(), reply.nodes.end(),
-                                  [&](const proto::NodeAddress& n) { return n.node == sl.node; });
-        if (where == reply.nodes.end())
-          throw TransportError(
-              fmt::format("the head placed a worker on node {} without its "
-                          "address",
-                          sl.node));
-        NodeSlot slot;
-        slot.id = sl.node;
-        slot.address = where->address;
-        slot.host = fmt::format("{} {}", sl.node, slot.address);
-        slot.planned = planned;
-        p.nodes.push_back(std::move(slot));
-      }
+      if (fresh) p.nodes.push_back(node_slot(reply, sl.node, planned));
       WorkerPlacement w;
       w.rank = gp.group->ranks.at(wi);
       w.index = static_cast<int>(wi);

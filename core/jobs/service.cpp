@@ -149,6 +149,8 @@ struct JobService::State {
   std::map<std::int64_t, int> driver_signals;
   std::map<std::int64_t, Clock::time_point> driver_heard;  // its node's agent's last word
 
+  std::optional<JobRecord> job_of_run(const std::string& run) const;
+
   void log(const std::string& line) const {
     if (o.log) o.log(line);
   }
@@ -1318,17 +1320,19 @@ std::optional<std::int64_t> driver_job(const std::string& name) {
   return id;
 }
 
+// The job that runs as `run`: an interactive one, or a submitted one that is RUNNING.
+std::optional<JobRecord> JobService::State::job_of_run(const std::string& run) const {
+  if (auto i = interactive.find(run); i != interactive.end()) return store->get(i->second);
+  for (auto& r : store->in_state("RUNNING")) {
+    if (r.run == run) return std::move(r);
+  }
+  return std::nullopt;
+}
+
 void JobService::restarted(const std::string& run, int count) {
   State& s = *s_;
   try {
-    std::optional<JobRecord> j;
-    if (auto i = s.interactive.find(run); i != s.interactive.end()) {
-      j = s.store->get(i->second);
-    } else {
-      for (auto& r : s.store->in_state("RUNNING")) {
-        if (r.run == run) j = std::move(r);
-      }
-    }
+    std::optional<JobRecord> j = s.job_of_run(run);
     if (!j || count <= j->run_restarts) return;
     j->restarts += count - j->run_restarts;
     j->run_restarts = count;
@@ -1337,6 +1341,36 @@ void JobService::restarted(const std::string& run, int count) {
                                fmt::format("a group of run {} restarted after a lost worker "
                                            "(restart {} of the run)",
                                            run, count)});
+  } catch (const std::exception& e) {
+    s.log(fmt::format("job service: {}", e.what()));
+  }
+}
+
+void JobService::moved(const std::string& run, const std::vector<proto::RankPlace>& places) {
+  State& s = *s_;
+  try {
+    std::optional<JobRecord> j = s.job_of_run(run);
+    if (!j) return;
+    nlohmann::json placement = nlohmann::json::parse(j->placement, nullptr, false);
+    if (!placement.is_array()) placement = nlohmann::json::array();
+    std::vector<std::string> moved;
+    for (const auto& p : places) {
+      for (auto& e : placement) {
+        if (e.value("group", "") != p.group || e.value("rank", -1) != p.rank) continue;
+        moved.push_back(
+            fmt::format("{}:{} from {} to {}", p.group, p.rank, e.value("node", "?"), p.node));
+        e["node"] = p.node;
+        e["gpus"] = p.gpus;
+      }
+    }
+    std::set<std::string> nodes;
+    for (const auto& e : placement) nodes.insert(e.value("node", ""));
+    j->placement = placement.dump();
+    j->nodes = static_cast<int>(nodes.size());
+    s.store->update(*j);
+    s.store->audit(AuditRecord{
+        j->id, unix_now(), "head", "move", "",
+        fmt::format("ranks of run {} moved off a DEAD node: {}", run, fmt::join(moved, ", "))});
   } catch (const std::exception& e) {
     s.log(fmt::format("job service: {}", e.what()));
   }

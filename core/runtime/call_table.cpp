@@ -52,7 +52,8 @@ std::string CallTable::lost_text(std::size_t peer, const std::string& reason) co
   return fmt::format("worker {} (host {}, pid {}) {}", w.name, w.host, w.pid, reason);
 }
 
-void CallTable::on_lost(std::size_t peer, const std::string& reason) {
+void CallTable::on_lost(std::size_t peer, const std::string& reason,
+                        const std::vector<std::size_t>& with) {
   if (peer >= workers_.size() || expecting_exits_ || lost_) return;
   const std::size_t g = workers_[peer].group;
   // The workers being replaced are stopped on purpose (or gone) until their replacements start.
@@ -63,7 +64,13 @@ void CallTable::on_lost(std::size_t peer, const std::string& reason) {
   std::string text = lost_text(peer, reason);
   if (restarts_.decide) {
     Restarts::Decision d = restarts_.decide(peer, text);
-    if (d.after) return begin_restart(g, peer, text, *d.after);
+    if (d.after) {
+      std::vector<std::size_t> peers{peer};
+      for (std::size_t p : with) {
+        if (p < workers_.size() && workers_[p].group == g && p != peer) peers.push_back(p);
+      }
+      return begin_restart(g, peers, text, *d.after);
+    }
     if (!d.text.empty()) text = std::move(d.text);
   }
   lose(peer, std::move(text));
@@ -117,10 +124,10 @@ void CallTable::send_to(std::size_t peer, Message m) {
 
 // A worker of `group` was lost and the group restarts: whatever waits on the group fails with
 // WorkerLost now (the SDK's twinkle::WorkerLost, by the tag), and what is sent to it from now on
-// waits until it is back. With restart = "worker" only `peer` is replaced: the survivors are told
-// to regroup, in turn with what they were sent, and go on answering it.
-void CallTable::begin_restart(std::size_t gi, std::size_t peer, const std::string& text,
-                              std::chrono::milliseconds after) {
+// waits until it is back. With restart = "worker" only the lost `peers` are replaced: the survivors
+// are told to regroup, in turn with what they were sent, and go on answering it.
+void CallTable::begin_restart(std::size_t gi, const std::vector<std::size_t>& peers,
+                              const std::string& text, std::chrono::milliseconds after) {
   Restarting& r = restarting_[gi];  // a loss before the group was back: again
   const GroupInfo& g = groups_[gi];
   r.phase = Restarting::Phase::waiting;
@@ -128,7 +135,7 @@ void CallTable::begin_restart(std::size_t gi, std::size_t peer, const std::strin
   r.recovering.clear();
   r.donors.clear();
   if (restarts_.whole_group && !restarts_.whole_group(gi)) {
-    r.replaced.insert(peer);
+    r.replaced.insert(peers.begin(), peers.end());
   } else {
     r.replaced.insert(g.peers.begin(), g.peers.end());
   }
@@ -254,20 +261,6 @@ void CallTable::advance_restarts() {
   }
 }
 
-// `peer` is replaced with the rank whose loss began this restart (it did not answer either).
-void CallTable::replace_too(Restarting& r, std::size_t peer) {
-  if (!r.replaced.insert(peer).second) return;
-  WorkerInfo& w = workers_[peer];
-  w.ready = false;
-  w.completed = false;
-  for (auto& [id, c] : calls_) {
-    if (c.group != w.group) continue;
-    for (std::size_t pos = 0; pos < c.workers.size() && pos < c.stale.size(); ++pos) {
-      if (c.workers[pos] == w.index) c.stale[pos] = 0;  // its process goes: no more answers
-    }
-  }
-}
-
 std::optional<std::size_t> CallTable::donor_for(std::size_t peer, const Restarting& r) const {
   const WorkerInfo& w = workers_[peer];
   const GroupInfo& g = groups_[w.group];
@@ -379,7 +372,7 @@ void CallTable::replace_worker(std::size_t peer, int pid, const std::string& hos
 }
 
 void CallTable::on_event(ChannelEvent& e) {
-  if (e.kind == ChannelEvent::Kind::lost) return on_lost(e.peer, e.reason);
+  if (e.kind == ChannelEvent::Kind::lost) return on_lost(e.peer, e.reason, e.with);
   if (e.kind != ChannelEvent::Kind::message || e.peer >= workers_.size()) return;
   WorkerInfo& w = workers_[e.peer];
   Message& m = e.message;
@@ -757,13 +750,10 @@ EncodedValue CallTable::wait(std::uint64_t future) {
       // runs again: twinkle::retry). One restart for all of them.
       if (!silent.empty() && restarts_.restartable && restarts_.restartable(c.group) &&
           !restarting_.count(c.group)) {
-        const std::size_t gi = c.group;
-        on_lost(silent.front(), fmt::format("did not answer {} within {:g} s (a call timeout, "
-                                            "counted as its loss)",
-                                            prefix, c.timeout_s));
-        if (auto r = restarting_.find(gi); r != restarting_.end()) {
-          for (std::size_t p : silent) replace_too(r->second, p);
-        }
+        on_lost(silent.front(),
+                fmt::format("did not answer {} within {:g} s (a call timeout, counted as its loss)",
+                            prefix, c.timeout_s),
+                silent);
         it = calls_.find(future);
         if (it == calls_.end()) throw CallError(prefix + ": the call was dropped");
         if (restarting_.count(it->second.group)) continue;

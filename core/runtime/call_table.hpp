@@ -212,13 +212,14 @@ class CallTable {
   };
 
   void on_event(transport::ChannelEvent& e);
-  void on_lost(std::size_t peer, const std::string& reason);
+  // `with`: others of its group lost in the same event (one restart replaces them all).
+  void on_lost(std::size_t peer, const std::string& reason,
+               const std::vector<std::size_t>& with = {});
   void lose(std::size_t peer, std::string text);
-  void begin_restart(std::size_t group, std::size_t peer, const std::string& text,
-                     std::chrono::milliseconds after);
+  void begin_restart(std::size_t group, const std::vector<std::size_t>& peers,
+                     const std::string& text, std::chrono::milliseconds after);
   void advance_restarts();
   void welcome_replacements(std::size_t group);
-  void replace_too(Restarting& r, std::size_t peer);
   void finish_restart(std::size_t group);
   // A surviving worker of `peer`'s group with the same mesh coordinates but dp, to copy its
   // state from (none when every such replica is being replaced too).

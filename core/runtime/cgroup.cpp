@@ -143,21 +143,29 @@ RunCgroup::RunCgroup(const CgroupSupport& support, const std::string& run, int c
   };
   const fs::path cpu = s_.cpu / run_;
   if (auto why = make_folder(cpu); !why.empty()) fail(cpu, why);
-  const std::int64_t quota = static_cast<std::int64_t>(cpus) * kPeriodUs;
+  if (auto [at, why] = write_quota(cpus); !why.empty()) fail(at, why);
   if (s_.kind == CgroupSupport::Kind::v2) {
-    if (auto why = write_value(cpu / "cpu.max", fmt::format("{} {}", quota, kPeriodUs));
-        !why.empty())
-      fail(cpu / "cpu.max", why);
     if (auto why = write_value(cpu / "cgroup.subtree_control", "+memory"); !why.empty())
       fail(cpu / "cgroup.subtree_control", why);
   } else {
-    if (auto why = write_value(cpu / "cpu.cfs_period_us", std::to_string(kPeriodUs)); !why.empty())
-      fail(cpu / "cpu.cfs_period_us", why);
-    if (auto why = write_value(cpu / "cpu.cfs_quota_us", std::to_string(quota)); !why.empty())
-      fail(cpu / "cpu.cfs_quota_us", why);
     const fs::path memory = s_.memory / run_;
     if (auto why = make_folder(memory); !why.empty()) fail(memory, why);
   }
+}
+
+std::pair<fs::path, std::string> RunCgroup::write_quota(int cpus) const {
+  const fs::path cpu = s_.cpu / run_;
+  const std::int64_t quota = static_cast<std::int64_t>(cpus) * kPeriodUs;
+  if (s_.kind == CgroupSupport::Kind::v2)
+    return {cpu / "cpu.max", write_value(cpu / "cpu.max", fmt::format("{} {}", quota, kPeriodUs))};
+  if (auto why = write_value(cpu / "cpu.cfs_period_us", std::to_string(kPeriodUs)); !why.empty())
+    return {cpu / "cpu.cfs_period_us", why};
+  return {cpu / "cpu.cfs_quota_us", write_value(cpu / "cpu.cfs_quota_us", std::to_string(quota))};
+}
+
+void RunCgroup::set_cpus(int cpus) {
+  if (auto [at, why] = write_quota(cpus); !why.empty())
+    throw Error(fmt::format("cannot set the run's CPU quota in {}: {}", at.string(), why));
 }
 
 RunCgroup::~RunCgroup() {

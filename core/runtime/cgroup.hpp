@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <set>
 #include <string>
+#include <utility>
 
 // A run's workers in control groups of their own (docs/ARCHITECTURE.md, Isolation): the run's
 // CPU quota (the CPUs its workers hold on this node) and each worker's memory limit, and whether
@@ -49,8 +50,12 @@ class RunCgroup {
   // True when the kernel's OOM killer killed a process of `worker`'s cgroup. Reads the kernel's
   // counter only: safe from any thread, also while add() runs.
   bool oom_killed(const std::string& worker) const;
+  // The run holds `cpus` CPUs here now (workers moved to this node from a DEAD one).
+  void set_cpus(int cpus);
 
  private:
+  // Writes the CPU quota of `cpus`; the file and why not on failure.
+  std::pair<std::filesystem::path, std::string> write_quota(int cpus) const;
   std::filesystem::path folder(const std::filesystem::path& root, const std::string& worker) const;
 
   CgroupSupport s_;

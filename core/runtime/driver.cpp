@@ -793,8 +793,8 @@ class JobRun : public HostOps {
         restart_resume_[g] = std::move(n);
     }
     const std::string count = std::to_string(generation_[g]);
-    launcher_->restart(peers,
-                       {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
+    replaced_where_ = launcher_->restart(
+        peers, {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
     replaced_.clear();
     for (std::size_t p : peers) replaced_.push_back(table_->workers()[p].name);
   }
@@ -821,7 +821,8 @@ class JobRun : public HostOps {
       } else if (restart_resume_[g]) {
         how = fmt::format(", from the checkpoint of step {}", restart_resume_[g]->manifest.step);
       }
-      it->how = fmt::format("{} replaced{}", fmt::join(replaced_, ", "), how);
+      it->how = fmt::format("{} replaced{}{}", fmt::join(replaced_, ", "),
+                            replaced_where_.empty() ? "" : " " + replaced_where_, how);
       std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss; %s)\n",
                    name.c_str(), it->number, *it->recovered_s, it->how.c_str());
       std::fflush(stderr);
@@ -959,6 +960,7 @@ class JobRun : public HostOps {
   static constexpr std::size_t kCrashLoopDeaths = 3;
   std::vector<RestartRecord> restart_log_;
   std::vector<std::string> replaced_;  // the workers the last respawn replaced
+  std::string replaced_where_;         // where they started, when the launcher says
   std::vector<int> generation_;        // by group
   std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
   std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;

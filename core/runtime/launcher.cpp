@@ -13,7 +13,7 @@
 
 namespace twinkle::core {
 
-void Launcher::restart(const std::vector<std::size_t>&, const std::vector<std::string>&) {
+std::string Launcher::restart(const std::vector<std::size_t>&, const std::vector<std::string>&) {
   throw Error("this launcher cannot restart workers (restarts work in local mode)");
 }
 
@@ -61,8 +61,8 @@ pid_t LocalLauncher::spawn(std::size_t peer, std::vector<std::string> env) {
   return spawner_.spawn(std::move(spec));
 }
 
-void LocalLauncher::restart(const std::vector<std::size_t>& peers,
-                            const std::vector<std::string>& env) {
+std::string LocalLauncher::restart(const std::vector<std::size_t>& peers,
+                                   const std::vector<std::string>& env) {
   for (std::size_t p : peers) {
     pid_t old = 0;
     {
@@ -83,6 +83,7 @@ void LocalLauncher::restart(const std::vector<std::size_t>& peers,
     std::lock_guard lock(pids_mu_);
     if (!pids_[p]) pids_[p] = pid;
   }
+  return {};
 }
 
 void LocalLauncher::on_exit(const ProcessExit& e) {

@@ -48,9 +48,11 @@ class Launcher {
   // decides). Before start().
   virtual void set_restartable(std::vector<bool> by_peer) { (void)by_peer; }
   // Replaces the processes of `peers` (SIGKILLing those that still run; their exits are not
-  // reported) with new ones, started as before with `env` added. Throws Error when one cannot
-  // start, or where this launcher cannot restart workers.
-  virtual void restart(const std::vector<std::size_t>& peers, const std::vector<std::string>& env);
+  // reported) with new ones, started as before with `env` added; where a peer's machine is gone,
+  // on another. Returns what the driver's "back" line should add about where they started ("" for
+  // nothing). Throws Error when one cannot start, or where this launcher cannot restart workers.
+  virtual std::string restart(const std::vector<std::size_t>& peers,
+                              const std::vector<std::string>& env);
 };
 
 // What a remote-mode run gets from its cluster (docs/ARCHITECTURE.md, Remote mode). core/cluster
@@ -110,7 +112,8 @@ class LocalLauncher : public Launcher {
   std::vector<std::string> stop(std::chrono::milliseconds grace) override;
   void kill_now() const noexcept override { spawner_.signal_all(SIGKILL); }
   void set_restartable(std::vector<bool> by_peer) override { restartable_ = std::move(by_peer); }
-  void restart(const std::vector<std::size_t>& peers, const std::vector<std::string>& env) override;
+  std::string restart(const std::vector<std::size_t>& peers,
+                      const std::vector<std::string>& env) override;
 
  private:
   void on_exit(const ProcessExit& e);

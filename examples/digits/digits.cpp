@@ -20,8 +20,9 @@
 // driver gets twinkle::WorkerLost, rolls every replica back to its committed state, which says
 // which epoch it is at, and goes on from there, so no step is applied twice or lost.
 // args.fail_at = "GROUP:RANK:EPOCH" makes that rank abort in that epoch, in its first life only
-// ("GROUP:RANK:EPOCH:always": in every life; EPOCH 0: in its constructor, every life): for the
-// tests.
+// ("GROUP:RANK:EPOCH:always": in every life; EPOCH 0: in its constructor, every life;
+// "GROUP:RANK:EPOCH:stop": stop itself with SIGSTOP instead, a hung rank whose node a test then
+// kills): for the tests.
 #include <twinkle/plugin.hpp>
 
 #include <zlib.h>
@@ -32,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -163,7 +165,10 @@ class Mlp {
   // Forward and backward on this worker's slice; the sums of all slices are added with
   // all_reduce, then every replica takes the same step. Returns the global batch's mean loss.
   Value train_step(Context& ctx, const Tensor& x, const Tensor& y) {
-    if (fail_epoch_ > 0 && epoch_ + 1 == fail_epoch_) std::abort();  // args.fail_at, for tests
+    if (fail_epoch_ > 0 && epoch_ + 1 == fail_epoch_) {  // args.fail_at, for tests
+      if (!stop_) std::abort();
+      ::raise(SIGSTOP);
+    }
 #ifdef DIGITS_HAVE_CUDA
     if (cuda_) {
       double* grad = cuda_->gradients(x.span<float>().data(), y.span<std::int64_t>().data(),
@@ -251,8 +256,9 @@ class Mlp {
   }
 
  private:
-  // args.fail_at = "GROUP:RANK:EPOCH[:always]" for this rank: abort in that epoch, in the first
-  // life only or in every life (EPOCH 0: in the constructor, every life: a crash loop).
+  // args.fail_at = "GROUP:RANK:EPOCH[:always|:stop]" for this rank: abort (or stop) in that
+  // epoch, in the first life only or in every life (EPOCH 0: in the constructor, every life: a
+  // crash loop).
   void fail_at(Context& ctx, const std::string& spec) {
     std::stringstream ss(spec);
     std::string group, rank, epoch;
@@ -264,6 +270,7 @@ class Mlp {
     if (group != ctx.group() || rank != std::to_string(ctx.rank())) return;
     if (epoch == "0") std::abort();
     const char* restarts = std::getenv("TWINKLE_RESTART_COUNT");
+    stop_ = always == "stop";
     if (always == "always" || !restarts || std::string(restarts) == "0")
       fail_epoch_ = std::stoi(epoch);
   }
@@ -330,6 +337,7 @@ class Mlp {
   double momentum_;
   int epoch_ = 0;               // epochs trained
   int fail_epoch_ = 0;          // args.fail_at for this rank (0: none)
+  bool stop_ = false;           // args.fail_at's ":stop": SIGSTOP instead of abort
   std::vector<double> params_;  // W1 [64 x H], b1 [H], W2 [H x 10], b2 [10]
   std::vector<double> velocity_;
   std::vector<double> committed_params_;  // as they were at the end of epoch_

@@ -117,7 +117,16 @@ make_keys() {
   done
 }
 
-# The head in host 1 (no agent there), agents h2 and h3 in hosts 2 and 3 with 4 CPUs each.
+# start_agent HOST CPUS: the agent of HOST (node id HOST), until it joined the cluster.
+start_agent() {
+  local h=$1 keys="KEYS_${1}[@]"
+  spawn "$TMP/agent-$h.log" - "$h" "$TWK" node start --address "$ADDR" \
+    --node-id "$h" --cpus "$2" --cache-dir "$TMP/$h/cache" "${!keys}"
+  AGENT[$h]=$SPAWNED
+}
+
+# The head in host 1 (no agent there), agents h2 and h3 in hosts 2 and 3 with $AGENT_CPUS (4)
+# CPUs each.
 start_cluster() {
   make_hosts
   make_keys
@@ -126,12 +135,7 @@ start_cluster() {
   wait_for "$TMP/head.log" "listening on" 10
   grep -qF "$ADDR" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the head does not listen on $ADDR"; }
   local h
-  for h in h2 h3; do
-    local keys="KEYS_${h}[@]"
-    spawn "$TMP/agent-$h.log" - "$h" "$TWK" node start --address "$ADDR" \
-      --node-id "$h" --cpus 4 --cache-dir "$TMP/$h/cache" "${!keys}"
-    AGENT[$h]=$SPAWNED
-  done
+  for h in h2 h3; do start_agent "$h" "${AGENT_CPUS:-4}"; done
   for h in h2 h3; do wait_for "$TMP/agent-$h.log" "joined the cluster" 10; done
 }
 
@@ -315,6 +319,100 @@ TOML
     got=$(sed -n 's/^final loss: //p' "$TMP/out")
     python3 -c "import sys; a,b=float('$got'),float('$want'); sys.exit(0 if abs(a-b)<=1e-4 else 1)" ||
       fail "digits submitted: final loss $got, local $want"
+    ;;
+
+  netns_spare)
+    # Issue 20, test 8: a node is lost mid-run (every process of host 3 SIGKILLed, its agent
+    # included) and its ranks start on a spare node (host 4, which joined after the run began);
+    # they copy their state from the survivors' replicas and the run ends with the losses of a
+    # run without the fault, bit for bit.
+    HOSTS=(h1 h2 h3 h4)
+    AGENT_CPUS=2  # digits' 4 ranks fill h2 and h3
+    start_cluster
+    mkdir -p "$TMP/job"
+    sed -e 's/^mode *=.*/mode = "remote"/' \
+      -e "s|^plugin *=.*|plugin = \"$EXAMPLES/digits/libdigits.so\"|" \
+      "$SRC/examples/digits/job.toml" >"$TMP/job/digits.toml"
+    cp "$SRC/examples/digits/digits.csv.gz" "$TMP/job/"
+    # The reference: the same job on the same two nodes, without a fault.
+    run 0 on h1 "$TWK" run --quiet "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
+    grep -E '^epoch [0-9]+  loss ' "$TMP/out" >"$TMP/ref-epochs"
+    ref_final=$(grep '^final loss:' "$TMP/out")
+    [ "$(wc -l <"$TMP/ref-epochs")" -eq 30 ] && [ -n "$ref_final" ] ||
+      { cat "$TMP/out"; fail "the reference run has no 30 epochs and final loss"; }
+    # A rank that runs on h3: it stops itself (SIGSTOP) in epoch 12, so that its node is lost
+    # while the others wait on it in that epoch's all_reduce.
+    run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
+    ranks_h3=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" ".join(str(w["index"]) for g in d["groups"] for w in g["workers"] if w["host"].split()[0] == "h3"))' "$TMP/out")
+    [ -n "$ranks_h3" ] || { cat "$TMP/out"; fail "no rank on h3"; }
+    stop_rank=${ranks_h3%% *}
+    spawn "$TMP/run.out" "$TMP/run.err" h1 "$TWK" run --quiet "$TMP/job/digits.toml" \
+      --address "$ADDR" "${KEYS_h1[@]}" --set group.model.max_restarts=1 \
+      --set "args.fail_at=model:$stop_rank:12:stop"
+    DRIVER=$SPAWNED
+    wait_for "$TMP/run.out" "epoch 1 " 60  # the run holds h2 and h3 now
+    start_agent h4 2
+    wait_for "$TMP/agent-h4.log" "joined the cluster" 10
+    # Until the rank has stopped (bounded: 60 s).
+    deadline=$((SECONDS + 60))
+    stopped=""
+    while [ -z "$stopped" ]; do
+      for p in $(workers_on h3); do
+        grep -q '^State:.*T (stopped)' "/proc/$p/status" 2>/dev/null && stopped=$p
+      done
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "rank $stop_rank did not stop in epoch 12"; }
+      running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended before rank $stop_rank stopped"; }
+      sleep 0.05
+    done
+    # The node is lost: every process of host 3, its agent too.
+    cut=$(now)
+    for p in $(ip netns pids "$NS-h3"); do kill -KILL "$p" 2>/dev/null; done
+    deadline=$((SECONDS + 60))
+    until grep -q "twinkle: group model is back" "$TMP/run.err"; do
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "the group was not back within 60 s of the node's loss"; }
+      running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended without its group back"; }
+      sleep 0.05
+    done
+    echo "node lost (agent SIGKILL) to ranks running on the spare: $(since "$cut") s"
+    deadline=$((SECONDS + 90))
+    while running $DRIVER; do
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.err"; fail "the run did not end within 90 s of its group's return"; }
+      sleep 0.1
+    done
+    wait $DRIVER
+    rc=$?
+    cat "$TMP/run.err"
+    [ $rc -eq 0 ] || { cat "$TMP/run.out"; fail "the run exited $rc after its node was lost"; }
+    moved=$(echo "$ranks_h3" | sed 's/\([0-9]*\)/model:\1/g; s/ /, /g')
+    grep -qF "twinkle: node h3 is DEAD" "$TMP/run.err" || fail "no DEAD node line"
+    grep -qF "twinkle: $moved start on node h4 (node h3 is DEAD)" "$TMP/run.err" ||
+      fail "no line saying that $moved start on h4"
+    grep -qF "$moved replaced on node h4 (node h3 is DEAD), state copied" "$TMP/run.err" ||
+      fail "the back line does not say where the state came from"
+    grep -E '^epoch [0-9]+  loss ' "$TMP/run.out" | tail -n 30 >"$TMP/got-epochs"
+    diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "the losses differ from the run without a fault"
+    got_final=$(grep '^final loss:' "$TMP/run.out")
+    echo "reference $ref_final; after the node's loss $got_final"
+    [ "$got_final" = "$ref_final" ] || fail "final loss: $got_final, without the fault $ref_final"
+    grep -q "started 2 worker(s)" "$TMP/agent-h4.log" || { cat "$TMP/agent-h4.log"; fail "the spare started no workers"; }
+    grep -qF "moves worker(s) off a DEAD node" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the head did not log the move"; }
+    # The run's record has the moved ranks on h4, and its audit says so.
+    run 0 on h1 "$TWK" jobs --all --json --address "$ADDR" "${KEYS_h1[@]}"
+    id=$(python3 -c 'import json,sys; print(" ".join(str(j["id"]) for j in json.load(open(sys.argv[1])) if j["restarts"] == 1))' "$TMP/out")
+    [ -n "$id" ] && [ "${id// /}" = "$id" ] || { cat "$TMP/out"; fail "not one job with one restart: $id"; }
+    run 0 on h1 "$TWK" job show "$id" --json --address "$ADDR" "${KEYS_h1[@]}"
+    python3 - "$TMP/out" "$ranks_h3" <<'PY' || { cat "$TMP/out"; fail "the job's placement does not show the move"; }
+import json, sys
+j = json.load(open(sys.argv[1]))
+moved = {int(r) for r in sys.argv[2].split()}
+where = {p["rank"]: p["node"] for p in j["placement"]}
+assert sorted(where) == [0, 1, 2, 3], where
+assert all(where[r] == "h4" for r in moved), where
+assert all(n == "h2" for r, n in where.items() if r not in moved), where
+assert any(a["action"] == "move" and "from h3 to h4" in a["detail"] for a in j["audit"]), j["audit"]
+PY
+    expect_no_reservations 5
+    expect_no_workers 10
     ;;
 
   *) fail "unknown case $CASE" ;;

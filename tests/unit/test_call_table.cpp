@@ -74,11 +74,12 @@ class FakeChannel : public transport::CallChannel {
     events_.pop_front();
     return e;
   }
-  void lost(std::size_t peer, std::string reason) override {
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override {
     ChannelEvent e;
     e.kind = ChannelEvent::Kind::lost;
     e.peer = peer;
     e.reason = std::move(reason);
+    e.with = std::move(with);
     push(std::move(e));
   }
   void wake() override {
@@ -776,4 +777,46 @@ TEST_CASE("restart = group: every worker is replaced; nobody regroups or copies"
   }
   REQUIRE(r.backs.size() == 1);
   CHECK(r.backs[0].empty());
+}
+
+TEST_CASE("restart = worker: ranks lost together (a DEAD node's) are replaced in one restart",
+          "[call_table]") {
+  Table t;
+  Restarting r;
+  t.table.set_restarts(r.hooks(false));
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 1, 4096, 0.01});
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
+  };
+  t.channel.lost(1, "its node n2 is DEAD", {2});
+  bool said = false;
+  t.channel.on_next = [&] {
+    if (!said && r.respawned.size() == 1) {
+      said = true;
+      t.channel.hello(1, 98);
+      t.channel.hello(2, 99);
+    }
+  };
+  CHECK_THAT(Table::error_of(
+                 [&] { wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:1")); }),
+             Catch::Contains("its node n2 is DEAD"));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:2")) == Value(4));
+  // One decision (one restart of the budget, one generation), one respawn of both.
+  CHECK(r.generation == 1);
+  REQUIRE(r.respawned.size() == 1);
+  CHECK(r.respawned[0] == std::vector<std::size_t>{1, 2});
+  for (std::size_t p : {0u, 3u}) {
+    CHECK(t.channel.last(p, MsgType::regroup).body["generation"] == Value(1));
+    CHECK(t.channel.count(p, MsgType::recover) == 0);
+  }
+  // Each copies from its replica: rank 1 (dp 0, tp 1) from rank 3, rank 2 (dp 1, tp 0) from 0.
+  CHECK(t.channel.count(1, MsgType::regroup) == 0);
+  CHECK(t.channel.count(2, MsgType::regroup) == 0);
+  CHECK(t.channel.last(1, MsgType::recover).body["donor"] == Value(3));
+  CHECK(t.channel.last(2, MsgType::recover).body["donor"] == Value(0));
+  REQUIRE(r.backs.size() == 1);
+  CHECK_THAT(r.backs[0], Catch::Contains("g:1 from g:3") && Catch::Contains("g:2 from g:0"));
 }

@@ -159,13 +159,14 @@ ChannelEvents::ChannelEvents() {
     throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
 }
 
-void ChannelEvents::lost(std::size_t peer, std::string reason) {
+void ChannelEvents::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
   {
     std::lock_guard lock(mu_);
     ChannelEvent e;
     e.kind = ChannelEvent::Kind::lost;
     e.peer = peer;
     e.reason = std::move(reason);
+    e.with = std::move(with);
     pending_.push_back(std::move(e));
   }
   wake();
@@ -263,8 +264,9 @@ void RouterDriverChannel::send(std::size_t peer, const Message& m) {
   }
 }
 
-void RouterDriverChannel::lost(std::size_t peer, std::string reason) {
-  events_.lost(peer, std::move(reason));
+void RouterDriverChannel::lost(std::size_t peer, std::string reason,
+                               std::vector<std::size_t> with) {
+  events_.lost(peer, std::move(reason), std::move(with));
 }
 
 void RouterDriverChannel::wake() { events_.wake(); }

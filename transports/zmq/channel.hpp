@@ -33,9 +33,10 @@ inline constexpr std::size_t kMaxSocketPath = 107;
 struct ChannelEvent {
   enum class Kind { message, lost, wake };
   Kind kind = Kind::message;
-  std::size_t peer = 0;  // message, lost
-  Message message;       // message
-  std::string reason;    // lost: how the peer was lost ("exited with code 3; ...")
+  std::size_t peer = 0;           // message, lost
+  Message message;                // message
+  std::string reason;             // lost: how the peer was lost ("exited with code 3; ...")
+  std::vector<std::size_t> with;  // lost: peers of the same group lost with it (a DEAD node's)
 };
 
 // What woke wait_readable: bit i of `sockets` for sockets[i], `fd` for the descriptor.
@@ -59,7 +60,7 @@ Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
 class ChannelEvents {
  public:
   ChannelEvents();  // throws TransportError when no eventfd can be made
-  void lost(std::size_t peer, std::string reason);
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {});
   void wake();
   // A queued lost event, if any.
   std::optional<ChannelEvent> take();
@@ -92,7 +93,8 @@ class CallChannel {
   // The next event, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
   virtual std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) = 0;
   // `peer` is gone (its process ended, its node stopped answering): next() delivers it once.
-  virtual void lost(std::size_t peer, std::string reason) = 0;
+  // `with`: peers of its group lost in the same event (the others of a DEAD node), one loss.
+  virtual void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) = 0;
   // Drops the queued lost events of `peer`: they are of a process a restart replaced (channels
   // whose peers are never replaced keep none).
   virtual void forget_lost(std::size_t peer) { (void)peer; }
@@ -131,7 +133,7 @@ class RouterDriverChannel : public CallChannel {
   const std::string& endpoint() const override { return endpoint_; }
   void send(std::size_t peer, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
-  void lost(std::size_t peer, std::string reason) override;
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override;
   void wake() override;
   std::uint64_t dropped() const override { return drops_.count(); }
   void forget_lost(std::size_t peer) override { events_.forget(peer); }

@@ -192,8 +192,8 @@ void PeerChannel::send(std::size_t peer, const Message& m) {
   }
 }
 
-void PeerChannel::lost(std::size_t peer, std::string reason) {
-  events_.lost(peer, std::move(reason));
+void PeerChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
+  events_.lost(peer, std::move(reason), std::move(with));
 }
 
 void PeerChannel::repoint(std::size_t peer, const std::string& endpoint) {

@@ -93,7 +93,7 @@ class PeerChannel : public CallChannel {
   const std::string& endpoint() const override { return identity_; }
   void send(std::size_t peer, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
-  void lost(std::size_t peer, std::string reason) override;
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override;
   // Worker `peer` was replaced and serves at `endpoint` now: the next send connects there.
   void repoint(std::size_t peer, const std::string& endpoint);
   void wake() override;

@@ -76,6 +76,7 @@ const char* to_string(MsgType t) {
     case MsgType::driver_status: return "driver_status";
     case MsgType::driver_ack: return "driver_ack";
     case MsgType::job_resume: return "job_resume";
+    case MsgType::relocate: return "relocate";
   }
   return "unknown";
 }

@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 12;
+inline constexpr std::uint16_t kProtocolVersion = 13;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -98,6 +98,8 @@ enum class MsgType : std::uint16_t {
   driver_status = 58,
   driver_ack = 59,
   job_resume = 60,
+  // restart = "worker" on a DEAD node (docs/ARCHITECTURE.md, Restarts): more room for a run
+  relocate = 63,
 };
 
 // "call"; "unknown" for a value that is no message type.
@@ -667,6 +669,22 @@ struct Reservation {
         field("ok", &Reservation::ok),           field("kind", &Reservation::kind),
         field("message", &Reservation::message), field("holders", &Reservation::holders),
         field("groups", &Reservation::groups),   field("nodes", &Reservation::nodes)};
+  }
+};
+
+// driver -> head, id = the request: room for workers of run `run` whose node is DEAD, on other
+// live nodes (never one of `exclude`); `groups` as in a reservation, each with only the workers
+// to move, whose ranks `ranks` lists (per group). Answered with a Reservation whose groups give
+// the new slots; the run holds them.
+struct Relocate {
+  static constexpr MsgType kType = MsgType::relocate;
+  std::string run;
+  std::vector<GroupDemandEntry> groups;
+  std::vector<std::vector<int>> ranks;
+  std::vector<std::string> exclude;
+  static constexpr auto fields() {
+    return std::tuple{field("run", &Relocate::run), field("groups", &Relocate::groups),
+                      field("ranks", &Relocate::ranks), field("exclude", &Relocate::exclude)};
   }
 };
 
@@ -1302,7 +1320,7 @@ using Cluster =
                  Stopped, WorkerExit, Output, NodeDead, KillJob, NodeLeave, UploadCheck, UploadPart,
                  UploadState, Submit, JobAnswer, JobsQuery, JobsInfo, LogsQuery, LogsChunk, JobStop,
                  DashboardLink, DashboardGrant, QuotasQuery, QuotasInfo, DriverStart, NeedArchive,
-                 ArchivePart, DriverStatus, DriverAck, JobResume>;
+                 ArchivePart, DriverStatus, DriverAck, JobResume, Relocate>;
 
 // A message's fields as a Value map of the same names (payloads decoded; a ValueError when one does
 // not decode): for `twinkle nodes --json`, for logs and for tests.
