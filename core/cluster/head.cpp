@@ -411,7 +411,12 @@ struct Head::State {
     const auto slots = schedule(std::move(free), demands, &why);
     if (!slots) {
       r.kind = "busy";
-      r.message = fmt::format("{}; {}", why, cluster_text(demands));
+      r.message = fmt::format("{}{}; {}", why,
+                              b.exclude.empty()
+                                  ? ""
+                                  : fmt::format(" (not on {}: the group's other workers run there)",
+                                                fmt::join(b.exclude, ", ")),
+                              cluster_text(demands));
       send(from, Message{request, std::move(r)});
       return;
     }

@@ -66,7 +66,8 @@ std::optional<std::vector<Slot>> place_group(std::vector<NodeCapacity>& nodes, c
     std::string labels;
     for (const auto& [k, v] : d.labels)
       labels += fmt::format("{}{}={}", labels.empty() ? "" : ",", k, v);
-    return fail(fmt::format("no node carries the labels {}", labels));
+    return fail(labels.empty() ? std::string("no node can take it")
+                               : fmt::format("no node carries the labels {}", labels));
   }
   // Most room first; ties keep the node table's order.
   std::stable_sort(cand.begin(), cand.end(), [&](const NodeCapacity* a, const NodeCapacity* b) {

@@ -260,6 +260,25 @@ ranks = 1'
     echo "dead node to failed run: $took s"
     expect_no_workers
     [ "$(reservations)" = 0 ] || fail "the reservation was not released"
+    # With restarts, a DEAD node's ranks start on another node, where there is room: group a's
+    # strict_spread has none (every other node runs one of its workers), so the run ends
+    # naming the node and what the cluster lacks.
+    start_agent n2 --cpus 4 --labels zone=b
+    "$TWK" run --set job.driver=hang --set group.a.max_restarts=1 --set group.b.max_restarts=1 \
+      "$TMP/steps.toml" --address "$ADDR" >"$TMP/run.out" 2>"$TMP/run.err" &
+    DRIVER=$!
+    PIDS+=($DRIVER)
+    wait_for "$TMP/run.out" "ALL READY" 20
+    kill -KILL "$AGENT_n3"
+    wait $DRIVER
+    rc=$?
+    [ $rc -eq 1 ] || { cat "$TMP/run.err"; fail "driver exited $rc, expected 1"; }
+    grep -qF "twinkle: node n3 is DEAD" "$TMP/run.err" || { cat "$TMP/run.err"; fail "no DEAD node line"; }
+    grep -qE "group a could not be restarted: a:[0-9] cannot start again: node n3 is DEAD and the cluster has no room for it elsewhere: " "$TMP/run.err" ||
+      { cat "$TMP/run.err"; fail "no 'no room elsewhere' error for group a"; }
+    grep -F "could not be restarted" "$TMP/run.err"
+    expect_no_workers
+    [ "$(reservations)" = 0 ] || fail "the reservation was not released"
     ;;
 
   driver_dies)
