@@ -329,6 +329,7 @@ void CallTable::finish_restart(std::size_t gi) {
       // That worker is gone; its loss is on its way.
     }
   }
+  if (restarts_.reform) restarts_.reform(gi);
   for (auto& [peer, m] : r.deferred) send_to(peer, std::move(m));
   std::vector<std::string> donors;
   for (const auto& [p, text] : r.donors) donors.push_back(text);

@@ -79,6 +79,9 @@ struct Restarts {
   std::function<bool(std::size_t group)> from_peer;
   // How many times the group restarted (its communicators' generation).
   std::function<int(std::size_t group)> generation;
+  // The group is back, before what waited for it is sent: the communicators across groups that
+  // include it are declared to its replacements (and again to the others: no change for them).
+  std::function<void(std::size_t group)> reform;
 };
 
 // The first worker the run lost while it still needed it.

@@ -20,13 +20,14 @@ void Communicators::join(const transport::proto::CommJoin& m) {
   c.rank = m.rank;
   c.members = m.members;
   c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(m.timeout_s * 1000));
+  c.generation = m.generation;
   cross_[m.name] = std::move(c);
 }
 
 // A communicator across groups: every member first says it joined, so that one that never does
 // is named (instead of a rendezvous key nobody recognises).
 void Communicators::meet(const std::string& name, const Cross& c, transport::CommConfig& config) {
-  config.name = "cross/" + name;
+  config.name = c.generation ? fmt::format("cross/{}@{}", name, c.generation) : "cross/" + name;
   config.rank = c.rank;
   config.size = static_cast<int>(c.members.size());
   config.timeout = c.timeout;
@@ -56,14 +57,20 @@ void Communicators::meet(const std::string& name, const Cross& c, transport::Com
 // coordinate; its store keys are named after the group, the dimension and the sub-group's index
 // so that every member finds the same ones.
 transport::Communicator& Communicators::get(const std::string& dim) {
-  if (auto it = comms_.find(dim); it != comms_.end()) return *it->second;
+  const auto cross = cross_.find(dim);
+  if (auto it = comms_.find(dim); it != comms_.end()) {
+    if (cross == cross_.end() || made_at_[dim] == cross->second.generation) return *it->second;
+    stale_.push_back(std::move(it->second));  // declared again since it was made
+    comms_.erase(it);
+  }
   const CommunicatorSetup& s = setup_;
   transport::CommConfig config;
   config.timeout = s.timeout;
   if (!s.node_ip.empty()) config.host = s.node_ip;
   if (!kv_) kv_ = std::make_unique<transport::KvClient>(context_, s.kv_endpoint, s.security);
-  if (auto cross = cross_.find(dim); cross != cross_.end()) {
+  if (cross != cross_.end()) {
     meet(dim, cross->second, config);
+    made_at_[dim] = cross->second.generation;
   } else if (dim.empty()) {
     config.name = fmt::format("{}/all", group_key());
     config.rank = s.rank;

@@ -37,7 +37,9 @@ class Communicators {
  public:
   Communicators(zmq::context_t& context, CommunicatorSetup setup);
 
-  // This worker's place in a communicator across groups (the driver's comm_join).
+  // This worker's place in a communicator across groups (the driver's comm_join). Declared again
+  // at a new generation (a member's group restarted), it is made afresh on next use; the old one
+  // is kept until the end (a call in progress may hold it).
   void join(const transport::proto::CommJoin& m);
   // Whether `name` is a communicator across groups that this worker is in.
   bool is_cross(const std::string& name) const { return cross_.count(name) > 0; }
@@ -48,9 +50,13 @@ class Communicators {
   transport::Communicator& get(const std::string& dim);
 
   // Destroys every communicator (shutdown).
-  void clear() { comms_.clear(); }
+  void clear() {
+    comms_.clear();
+    stale_.clear();
+  }
   // The group's lost ranks were replaced (restart = "worker"): its communicators are made again
-  // on next use, with the rendezvous keys of `generation`. Communicators across groups stay.
+  // on next use, with the rendezvous keys of `generation`. Communicators across groups stay until
+  // the driver declares them again (join).
   int generation() const { return setup_.generation; }
   void regroup(int generation) {
     setup_.generation = generation;
@@ -67,6 +73,7 @@ class Communicators {
     int rank = 0;
     std::vector<std::string> members;  // "group:index" by rank
     std::chrono::milliseconds timeout{0};
+    int generation = 0;  // its keys': "cross/NAME@GENERATION" after a member's group restarted
   };
 
   void meet(const std::string& name, const Cross& c, transport::CommConfig& config);
@@ -76,6 +83,8 @@ class Communicators {
   std::unique_ptr<transport::KvClient> kv_;
   std::map<std::string, std::unique_ptr<transport::Communicator>> comms_;
   std::map<std::string, Cross> cross_;  // by name
+  std::map<std::string, int> made_at_;  // communicators across groups made: at which generation
+  std::vector<std::unique_ptr<transport::Communicator>> stale_;  // of earlier generations
 };
 
 }  // namespace twinkle::core

@@ -193,14 +193,10 @@ class JobRun : public HostOps {
     const std::string name(name_in);
     if (comms_.count(name))
       throw CallError(fmt::format("communicator \"{}\" is declared already", name));
-    const CrossMembers cross = cross_members(name, members);
-    comms_.insert(name);
-    for (std::size_t r = 0; r < cross.peers.size(); ++r) {
-      channel_->send(cross.peers[r],
-                     Message{0, proto::CommJoin{name, static_cast<int>(r), cross.names,
-                                                timeout_s > 0 ? timeout_s : job_.timeout_s}});
-    }
+    CrossComm c{cross_members(name, members), timeout_s > 0 ? timeout_s : job_.timeout_s, 0};
+    declare(name, comms_.emplace(name, std::move(c)).first->second);
   }
+
   void release(std::uint64_t future) noexcept override { table_->release(future); }
 
   // Every worker writes its part into a hidden folder, then the manifest makes it a checkpoint
@@ -267,7 +263,35 @@ class JobRun : public HostOps {
     std::vector<std::size_t> peers;  // by rank
     std::vector<std::string> names;  // "group:index" by rank
   };
+  // A communicator across groups as the driver declared it.
+  struct CrossComm {
+    CrossMembers members;
+    double timeout_s = 0;
+    int generation = 0;  // declared again this many times (a member's group restarted)
+  };
+  // The communicators across groups that include a worker of group `g`.
+  std::vector<std::string> comms_with(std::size_t g) const {
+    std::vector<std::string> out;
+    for (const auto& [name, c] : comms_) {
+      if (std::any_of(c.members.peers.begin(), c.members.peers.end(),
+                      [&](std::size_t p) { return table_->workers()[p].group == g; }))
+        out.push_back(name);
+    }
+    return out;
+  }
 
+  // Tells every member of communicator `name` its rank (and the communicator's generation).
+  void declare(const std::string& name, const CrossComm& c) {
+    for (std::size_t r = 0; r < c.members.peers.size(); ++r) {
+      try {
+        channel_->send(c.members.peers[r],
+                       Message{0, proto::CommJoin{name, static_cast<int>(r), c.members.names,
+                                                  c.timeout_s, c.generation}});
+      } catch (const TransportError&) {
+        // That member is gone; its loss is on its way.
+      }
+    }
+  }
   // The members of communicator `name` as the driver entry listed them ([[group, [indices]]...],
   // no indices: the whole group), checked: a valid name that is no mesh dimension, known groups
   // of one device type, workers that exist, none twice, at least one.
@@ -724,7 +748,10 @@ class JobRun : public HostOps {
         [this](std::size_t g) { return job_.groups.at(g).max_restarts > 0; },
         [this](std::size_t g) { return job_.groups.at(g).restart == "group"; },
         [this](std::size_t g) { return job_.groups.at(g).recover == "peer"; },
-        [this](std::size_t g) { return generation_.at(g); }});
+        [this](std::size_t g) { return generation_.at(g); },
+        [this](std::size_t g) {
+          for (const auto& name : comms_with(g)) declare(name, comms_.at(name));
+        }});
   }
 
   // Whether the loss of `peer` restarts its group: the group's budget in its window, and no
@@ -767,9 +794,22 @@ class JobRun : public HostOps {
     std::vector<std::string> retired{spec.name + "/"};
     for (int gen = 1; gen < generation_[w.group]; ++gen)
       retired.push_back(fmt::format("{}@{}/", spec.name, gen));
+    // So are those of the communicators across groups that include it: they are declared again
+    // at once (their members in other groups meet at the new keys, where the replacements join
+    // them once the group is back: reform).
+    std::vector<std::string> cross = comms_with(w.group);
+    for (const auto& name : cross) {
+      const int gen = comms_.at(name).generation;
+      retired.push_back(gen ? fmt::format("cross/{}@{}/", name, gen) : "cross/" + name + "/");
+    }
     kv_->retire(std::move(retired), fmt::format("a worker of group {} was lost and is being "
                                                 "replaced; this communicator will not form",
                                                 spec.name));
+    for (const auto& name : cross) {
+      CrossComm& c = comms_.at(name);
+      ++c.generation;
+      declare(name, c);
+    }
     restart_log_.push_back(
         RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group], ""});
     std::fflush(stdout);
@@ -927,8 +967,8 @@ class JobRun : public HostOps {
   twk_driver_fn driver_fn_ = nullptr;
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
-  std::set<std::string> comms_;         // communicators across groups, by name
-  std::optional<proto::Welcome> book_;  // the workers' address book (welcome)
+  std::map<std::string, CrossComm> comms_;  // communicators across groups, by name
+  std::optional<proto::Welcome> book_;      // the workers' address book (welcome)
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
   std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;

@@ -213,6 +213,18 @@ PY
     expect_out 'communicator "w": group a has workers 0 to 3, not 7'
     expect_out 'communicator "w": a:0 is listed twice'
     if grep -q ACCEPTED "$TMP/out"; then fail "a bad communicator was accepted"; fi
+    # A member's group restarts (b:1 dies): the communicator is declared again on every member
+    # and the next broadcast reaches the new b:1, with both backends.
+    write_job "" "max_restarts = 1"
+    for backend in shm gloo; do
+      run 0 "$TWK" run --set job.driver=cross_restart --set job.collectives=$backend "$TMP/job.toml"
+      expect_err "twinkle: group b is back (restart 1,"
+      expect_out "BEFORE b:1 rank 2 of 3: 1 MiB bit-exact"
+      expect_out "LOST"
+      expect_out "AFTER a:0 rank 0 of 3: 2 MiB bit-exact"
+      expect_out "AFTER b:0 rank 1 of 3: 2 MiB bit-exact"
+      expect_out "AFTER b:1 rank 2 of 3: 2 MiB bit-exact"
+    done
     expect_clean
     ;;
 

@@ -306,10 +306,14 @@ struct CommJoin {
   int rank = 0;
   std::vector<std::string> members;  // "group:index" by rank
   double timeout_s = 0;
+  // Declared again after a member's group restarted (its rendezvous keys are new): the worker
+  // drops what it had of the communicator.
+  int generation = 0;
   static constexpr auto fields() {
     return std::tuple{field("name", &CommJoin::name), field("rank", &CommJoin::rank),
                       field("members", &CommJoin::members),
-                      field("timeout_s", &CommJoin::timeout_s)};
+                      field("timeout_s", &CommJoin::timeout_s),
+                      field("generation", &CommJoin::generation)};
   }
 };
 
