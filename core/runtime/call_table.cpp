@@ -282,7 +282,12 @@ void CallTable::welcome_replacements(std::size_t gi) {
   for (std::size_t p : r.replaced) channel_.send(p, Message{0, welcome_(workers_[p])});
   for (auto& [id, inst] : instances_) {
     if (inst.group != gi || !inst.made) continue;
-    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
+    const Message create{
+        id, transport::proto::Create{
+                inst.cls->name,
+                inst.args,
+                {},
+                inst.maker.empty() ? std::nullopt : std::optional<std::string>(inst.maker)}};
     for (int w : inst.workers) {
       const std::size_t p = g.peers[static_cast<std::size_t>(w)];
       if (!r.replaced.count(p)) continue;
@@ -421,6 +426,8 @@ void CallTable::on_event(ChannelEvent& e) {
                                          inst->second.cls->name, *created->error));
     }
     inst->second.acks[w.index] = std::move(created->error);
+  } else if (auto* made = m.get<transport::proto::Made>()) {
+    adopt(w, m.id, *made);
   } else if (auto* saved = m.get<transport::proto::Saved>()) {
     if (m.id == saving_ && saving_ != 0) saved_.emplace(e.peer, std::move(*saved));
   } else if (auto* reply = m.get<transport::proto::Reply>()) {
@@ -618,6 +625,36 @@ std::vector<transport::proto::Saved> CallTable::save(
   }
   saved_.clear();
   return out;
+}
+
+// Worker `maker` made instance `id` on another group (a call between groups): recorded as made,
+// so that a restart of that group makes it again on its replacements, for the maker (the same
+// id, the same state key).
+void CallTable::adopt(const WorkerInfo& maker, std::uint64_t id, transport::proto::Made& m) {
+  if (!restarts_.find_class || m.group >= groups_.size()) return;
+  const plugins::ClassInfo* cls = restarts_.find_class(m.cls);
+  const std::size_t size = groups_[m.group].peers.size();
+  const bool valid =
+      cls && !m.workers.empty() && std::all_of(m.workers.begin(), m.workers.end(), [&](int w) {
+        return w >= 0 && static_cast<std::size_t>(w) < size;
+      });
+  if (!valid) return;
+  Instance& inst = instances_[id];
+  if (inst.made || (inst.cls && (inst.cls != cls || inst.group != m.group)))
+    return;  // not another's, nor made twice
+  inst.cls = cls;
+  inst.group = m.group;
+  inst.workers = std::move(m.workers);
+  inst.whole = inst.workers.size() == size;
+  inst.args = std::move(m.args);
+  inst.made = true;
+  inst.maker = maker.name;
+  for (int w : inst.workers) inst.acks[w] = std::nullopt;
+}
+
+std::vector<int> CallTable::workers_of(std::uint64_t instance) const {
+  auto it = instances_.find(instance);
+  return it == instances_.end() ? std::vector<int>() : it->second.workers;
 }
 
 void CallTable::attach(std::uint64_t instance, const plugins::ClassInfo& cls, std::size_t gi) {

@@ -82,6 +82,9 @@ struct Restarts {
   // The group is back, before what waited for it is sent: the communicators across groups that
   // include it are declared to its replacements (and again to the others: no change for them).
   std::function<void(std::size_t group)> reform;
+  // The plugin's class of that name (nullptr: none): instances that workers made on a group
+  // (calls between groups, proto::Made) are recorded, to be made again on its replacements.
+  std::function<const plugins::ClassInfo*(std::string_view name)> find_class;
 };
 
 // The first worker the run lost while it still needed it.
@@ -112,6 +115,8 @@ class CallTable {
   // Constructs `cls` on every worker of `group` (a class with execute = peer and a `peer`
   // caller: on its peer block only) and waits for all. Returns the instance handle. `chain`: the
   // calls that led here (calls between groups).
+  // The workers (indices in its group) that instance `instance` lives on; none for no instance.
+  std::vector<int> workers_of(std::uint64_t instance) const;
   std::uint64_t create(const plugins::ClassInfo& cls, std::size_t group, const EncodedValue& args,
                        std::optional<PeerCaller> peer = std::nullopt,
                        const std::vector<transport::proto::ChainLink>& chain = {});
@@ -182,6 +187,7 @@ class CallTable {
     EncodedValue args;      // its constructor's, to make it again when its group restarts
     bool made = false;      // constructed on every worker
     bool creating = false;  // create() waits for it: a restart makes it on the replacements
+    std::string maker;      // the worker that made it (proto::Made); empty: this caller
   };
   struct Call {
     std::string what;    // "Model.train_step"
@@ -216,6 +222,7 @@ class CallTable {
 
   void on_event(transport::ChannelEvent& e);
   // `with`: others of its group lost in the same event (one restart replaces them all).
+  void adopt(const WorkerInfo& maker, std::uint64_t id, transport::proto::Made& m);
   void on_lost(std::size_t peer, const std::string& reason,
                const std::vector<std::size_t>& with = {});
   void lose(std::size_t peer, std::string text);

@@ -751,7 +751,8 @@ class JobRun : public HostOps {
         [this](std::size_t g) { return generation_.at(g); },
         [this](std::size_t g) {
           for (const auto& name : comms_with(g)) declare(name, comms_.at(name));
-        }});
+        },
+        [this](std::string_view name) { return plugin_->find_class(name); }});
   }
 
   // Whether the loss of `peer` restarts its group: the group's budget in its window, and no

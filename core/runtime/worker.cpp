@@ -270,7 +270,11 @@ class Worker : public HostOps {
                        const twk_value_v1& args) override {
     const plugins::ClassInfo& cls = known_class(cls_name, "create");
     const std::size_t gi = known_group(group, "create " + std::string(cls_name));
-    return table_->create(cls, gi, peers_->adopt(args), PeerCaller{rank_, world_}, calls_->chain());
+    EncodedValue a = peers_->adopt(args);
+    const std::uint64_t id = table_->create(cls, gi, a, PeerCaller{rank_, world_}, calls_->chain());
+    // The driver records it, so that a restart of that group makes it there again.
+    link_->send(Message{id, proto::Made{gi, table_->workers_of(id), cls.name, std::move(a)}});
+    return id;
   }
 
   std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
@@ -614,7 +618,7 @@ class Worker : public HostOps {
       return proto::Created{err.error.value_or("constructor failed")};
     // The state's key: who made it, the class, and how many of those it made here before, so
     // that the same driver code finds the same state again.
-    const std::string maker = from.empty() ? "driver" : from;
+    const std::string maker = m.maker ? *m.maker : from.empty() ? "driver" : from;
     const std::string key =
         fmt::format("{}/{}/{}", maker, cls->name, made_[maker + "/" + cls->name]++);
     if (auto restored = restore(*cls, self, key)) {

@@ -418,6 +418,12 @@ TOML
     expect_out "worker b:1 was lost and replaced (its group b restarted); the call may have run on it"
     expect_out "AFTER a:0 -> b:0[0,1]"
     expect_out "AFTER a:1 -> b:1[100,101]"
+    # The same through instances that a's workers made on b themselves: the restart makes them
+    # again on the new b:1 (before, a:1's next call found no such instance there).
+    run 0 "$TWK" run --quiet --set job.driver=peer_made_restart "$TMP/peers.toml"
+    expect_err "twinkle: group b is back (restart 1,"
+    expect_out "AFTER a:0 -> b:0[0,1]"
+    expect_out "AFTER a:1 -> b:1[100,101]"
     expect_clean
     ;;
   restart_timeout)

@@ -820,3 +820,54 @@ TEST_CASE("restart = worker: ranks lost together (a DEAD node's) are replaced in
   REQUIRE(r.backs.size() == 1);
   CHECK_THAT(r.backs[0], Catch::Contains("g:1 from g:3") && Catch::Contains("g:2 from g:0"));
 }
+
+TEST_CASE("restart: an instance a worker made on the group is made again for its maker",
+          "[call_table]") {
+  Table t;
+  Restarting r;
+  static const plugins::ClassInfo made_cls = class_c();
+  Restarts hooks = r.hooks(false);
+  hooks.find_class = [](std::string_view name) {
+    return name == "C" ? &made_cls : static_cast<const plugins::ClassInfo*>(nullptr);
+  };
+  t.table.set_restarts(hooks);
+  const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
+  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 0, 0, 0});
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
+  };
+  // Worker g:3 made instance 9001 on workers 1 and 2 (a call between groups); one naming an
+  // unknown class or a worker the group lacks is not recorded.
+  t.channel.deliver(3, 9001, proto::Made{0, {1, 2}, "C", encode(Value::list({7}))});
+  t.channel.deliver(3, 9002, proto::Made{0, {1}, "Nope", encode(Value::list())});
+  t.channel.deliver(3, 9003, proto::Made{0, {9}, "C", encode(Value::list())});
+  t.channel.lost(1, "was killed by signal 9");
+  bool said = false;
+  t.channel.on_next = [&] {
+    if (!said && r.respawned.size() == 1) {
+      said = true;
+      t.channel.hello(1, 99);
+    }
+  };
+  CHECK_THAT(Table::error_of(
+                 [&] { wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:1")); }),
+             Catch::Contains("was killed by signal 9"));
+  CHECK(wait_on(t.table, call_on(t.table, inst, "m", Value::list(), "t.cpp:2")) == Value(4));
+  // The replacement got the driver's instance and worker g:3's (same id, same arguments, its
+  // maker named), and nothing of the others; the survivors got no creates again.
+  std::map<std::uint64_t, Value> creates;
+  for (const auto& m : t.channel.sent[1]) {
+    if (m.type == MsgType::create) creates[m.id] = m.body;
+  }
+  REQUIRE(creates.count(9001) == 1);
+  CHECK(creates[9001]["class"] == Value("C"));
+  CHECK(creates[9001]["args"] == Value::list({7}));
+  CHECK(creates[9001]["maker"] == Value("g:3"));
+  CHECK(creates.count(9002) == 0);
+  CHECK(creates.count(9003) == 0);
+  CHECK(creates.count(inst) == 1);
+  CHECK_FALSE(creates[inst].contains("maker"));
+  CHECK(t.channel.count(2, MsgType::create) == 1);
+}

@@ -35,6 +35,7 @@ const char* to_string(MsgType t) {
     case MsgType::state_pull: return "state_pull";
     case MsgType::state: return "state";
     case MsgType::peers_replaced: return "peers_replaced";
+    case MsgType::made: return "made";
     case MsgType::node_register: return "node_register";
     case MsgType::node_welcome: return "node_welcome";
     case MsgType::heartbeat: return "heartbeat";

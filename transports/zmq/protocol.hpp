@@ -52,6 +52,7 @@ enum class MsgType : std::uint16_t {
   state_pull = 19,
   state = 61,
   peers_replaced = 62,
+  made = 64,
   // Cluster messages (remote mode): between the head and its agents, drivers and clients.
   node_register = 20,
   node_welcome = 21,
@@ -228,9 +229,12 @@ struct Create {
   std::string cls;
   EncodedValue args;
   std::vector<ChainLink> chain;  // empty from the driver
+  // A restart's replacement makes again an instance that worker `maker` made first (its state's
+  // key names the maker).
+  std::optional<std::string> maker;
   static constexpr auto fields() {
     return std::tuple{field("class", &Create::cls), field("args", &Create::args),
-                      field("chain", &Create::chain)};
+                      field("chain", &Create::chain), field("maker", &Create::maker)};
   }
 };
 
@@ -440,9 +444,23 @@ struct PeersReplaced {
   }
 };
 
+// worker -> driver, id = the instance: this worker made an instance of `cls` on workers `workers`
+// of group `group` (a call between groups); a restart of that group makes it again there.
+struct Made {
+  static constexpr MsgType kType = MsgType::made;
+  std::uint64_t group = 0;
+  std::vector<int> workers;
+  std::string cls;
+  EncodedValue args;
+  static constexpr auto fields() {
+    return std::tuple{field("group", &Made::group), field("workers", &Made::workers),
+                      field("class", &Made::cls), field("args", &Made::args)};
+  }
+};
+
 using Control = std::variant<Hello, Welcome, Create, Created, Call, Reply, Shutdown, KvSet, KvGet,
                              KvValue, CommJoin, PeerLost, Probe, Save, Saved, Regroup, Recover,
-                             Recovered, StatePull, State, PeersReplaced>;
+                             Recovered, StatePull, State, PeersReplaced, Made>;
 
 // ----- cluster messages ---------------------------------------------------------------------
 // The head forwards launch, plugin and stop_job to the agent of their `node`, and launched,
