@@ -639,6 +639,16 @@ struct Restarting {
   }
 };
 
+// Workers that answer creates, recovers (with `bytes` copied) and calls (each with 1).
+void answer_all(Table& t, std::uint64_t bytes) {
+  t.channel.on_send = [&t, bytes](std::size_t peer, const SentMessage& m) {
+    if (m.type == MsgType::create) t.channel.created(peer, m.id);
+    if (m.type == MsgType::recover)
+      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 1, bytes, 0.01});
+    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
+  };
+}
+
 // A class whose "step" is sent again after a restart (twinkle::retry{1}).
 plugins::ClassInfo class_retry() {
   plugins::ClassInfo c = class_c();
@@ -785,12 +795,7 @@ TEST_CASE("restart = worker: ranks lost together (a DEAD node's) are replaced in
   Restarting r;
   t.table.set_restarts(r.hooks(false));
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
-  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
-    if (m.type == MsgType::create) t.channel.created(peer, m.id);
-    if (m.type == MsgType::recover)
-      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 1, 4096, 0.01});
-    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
-  };
+  answer_all(t, 4096);
   t.channel.lost(1, "its node n2 is DEAD", {2});
   bool said = false;
   t.channel.on_next = [&] {
@@ -832,12 +837,7 @@ TEST_CASE("restart: an instance a worker made on the group is made again for its
   };
   t.table.set_restarts(hooks);
   const std::uint64_t inst = t.ready([](std::size_t, const Value&) { return Value(1); });
-  t.channel.on_send = [&](std::size_t peer, const SentMessage& m) {
-    if (m.type == MsgType::create) t.channel.created(peer, m.id);
-    if (m.type == MsgType::recover)
-      t.channel.deliver(peer, m.id, proto::Recovered{std::nullopt, 0, 0, 0});
-    if (m.type == MsgType::call) t.channel.reply(peer, m.id, Value(1));
-  };
+  answer_all(t, 0);
   // Worker g:3 made instance 9001 on workers 1 and 2 (a call between groups); one naming an
   // unknown class or a worker the group lacks is not recorded.
   t.channel.deliver(3, 9001, proto::Made{0, {1, 2}, "C", encode(Value::list({7}))});
