@@ -445,8 +445,8 @@ class ClusterLauncher : public Launcher {
         to.insert(slot.node);
       }
     }
-    // The variables that depend on where a worker runs: of every worker of the group, since
-    // LOCAL_WORLD_SIZE counts the new ones too (survivors keep what they started with).
+    // The variables that depend on where a worker runs, for the moving ones (LOCAL_WORLD_SIZE
+    // counts the group's workers on their new node; the survivors keep what they started with).
     for (std::size_t p : moving) {
       const auto env = worker_env({}, placement_, gi, where_[p].second, Rendezvous{}, RunInfo{});
       std::vector<std::string> placed;
