@@ -458,10 +458,12 @@ class ClusterLauncher : public Launcher {
       }
       override_env(launches_.at(p).env, placed);
     }
-    const std::string text =
-        fmt::format("on node {} (node {} is DEAD)", fmt::join(to, ", "), fmt::join(from, ", "));
-    std::fprintf(stderr, "twinkle: %s start %s\n",
-                 fmt::format("{}", fmt::join(names, ", ")).c_str(), text.c_str());
+    const std::string text = fmt::format("{} on node {}: node {} is DEAD", fmt::join(names, ", "),
+                                         fmt::join(to, ", "), fmt::join(from, ", "));
+    std::fprintf(stderr, "twinkle: %s start on node %s (node %s is DEAD)\n",
+                 fmt::format("{}", fmt::join(names, ", ")).c_str(),
+                 fmt::format("{}", fmt::join(to, ", ")).c_str(),
+                 fmt::format("{}", fmt::join(from, ", ")).c_str());
     std::fflush(stderr);
     return text;
   }

@@ -863,7 +863,7 @@ class JobRun : public HostOps {
         how = fmt::format(", from the checkpoint of step {}", restart_resume_[g]->manifest.step);
       }
       it->how = fmt::format("{} replaced{}{}", fmt::join(replaced_, ", "),
-                            replaced_where_.empty() ? "" : " " + replaced_where_, how);
+                            replaced_where_.empty() ? "" : " (" + replaced_where_ + ")", how);
       std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss; %s)\n",
                    name.c_str(), it->number, *it->recovered_s, it->how.c_str());
       std::fflush(stderr);

@@ -49,8 +49,9 @@ class Launcher {
   virtual void set_restartable(std::vector<bool> by_peer) { (void)by_peer; }
   // Replaces the processes of `peers` (SIGKILLing those that still run; their exits are not
   // reported) with new ones, started as before with `env` added; where a peer's machine is gone,
-  // on another. Returns what the driver's "back" line should add about where they started ("" for
-  // nothing). Throws Error when one cannot start, or where this launcher cannot restart workers.
+  // on another. Returns what the driver's "back" line should add about where they started
+  // ("model:2 on node h4: node h3 is DEAD"; "" for nothing). Throws Error when one cannot start, or
+  // where this launcher cannot restart workers.
   virtual std::string restart(const std::vector<std::size_t>& peers,
                               const std::vector<std::string>& env);
 };

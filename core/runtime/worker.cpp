@@ -870,6 +870,9 @@ bool run_worker(const WorkerOptions& o) {
   struct sigaction sa {};
   sa.sa_handler = &on_driver_death;
   sigaction(SIGHUP, &sa, nullptr);
+  // A write to a connection or pipe whose other end is gone is an error where it happens, never
+  // the worker's death (a survivor was once killed by SIGPIPE as a replica died beside it).
+  ::signal(SIGPIPE, SIG_IGN);
   // Die with the driver. The launcher starts workers with posix_spawn, which cannot ask for the
   // parent-death signal, so the worker asks itself and then checks that the driver did not die
   // before it asked.

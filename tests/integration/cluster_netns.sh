@@ -387,7 +387,7 @@ TOML
     grep -qF "twinkle: node h3 is DEAD" "$TMP/run.err" || fail "no DEAD node line"
     grep -qF "twinkle: $moved start on node h4 (node h3 is DEAD)" "$TMP/run.err" ||
       fail "no line saying that $moved start on h4"
-    grep -qF "$moved replaced on node h4 (node h3 is DEAD), state copied" "$TMP/run.err" ||
+    grep -qF "$moved replaced ($moved on node h4: node h3 is DEAD), state copied" "$TMP/run.err" ||
       fail "the back line does not say where the state came from"
     grep -E '^epoch [0-9]+  loss ' "$TMP/run.out" | tail -n 30 >"$TMP/got-epochs"
     diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "the losses differ from the run without a fault"
@@ -411,6 +411,53 @@ assert all(where[r] == "h4" for r in moved), where
 assert all(n == "h2" for r, n in where.items() if r not in moved), where
 assert any(a["action"] == "move" and "from h3 to h4" in a["detail"] for a in j["audit"]), j["audit"]
 PY
+    expect_no_reservations 5
+    expect_no_workers 10
+    # The same with restart = "group" from checkpoints: host 3's agent joins again; the next run
+    # holds two of the three nodes, the third is the spare. A rank stops in epoch 12 and its node
+    # is lost: the group restarts from the checkpoint of epoch 11, the ranks of the lost node on
+    # the spare and the others in place, and the losses are the reference's.
+    start_agent h3 2
+    wait_for "$TMP/agent-h3.log" "joined the cluster" 10
+    run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
+    read -r lost_node stop_rank spare < <(python3 -c 'import json,sys
+d = json.load(open(sys.argv[1]))
+ws = [(w["host"].split()[0], w["index"]) for g in d["groups"] for w in g["workers"]]
+used = sorted({h for h, _ in ws})
+assert len(used) == 2, ws
+lost = used[1]
+print(lost, min(i for h, i in ws if h == lost), ({"h2", "h3", "h4"} - set(used)).pop())' "$TMP/out")
+    spawn "$TMP/run.out" "$TMP/run.err" h1 "$TWK" run --quiet "$TMP/job/digits.toml" \
+      --address "$ADDR" "${KEYS_h1[@]}" --set group.model.max_restarts=1 \
+      --set group.model.restart=group --set job.checkpoint_dir=ck \
+      --set "args.fail_at=model:$stop_rank:12:stop"
+    DRIVER=$SPAWNED
+    deadline=$((SECONDS + 60))
+    stopped=""
+    while [ -z "$stopped" ]; do
+      for p in $(workers_on "$lost_node"); do
+        grep -q '^State:.*T (stopped)' "/proc/$p/status" 2>/dev/null && stopped=$p
+      done
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "rank $stop_rank did not stop in epoch 12"; }
+      running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended before rank $stop_rank stopped"; }
+      sleep 0.05
+    done
+    for p in $(ip netns pids "$NS-$lost_node"); do kill -KILL "$p" 2>/dev/null; done
+    deadline=$((SECONDS + 90))
+    while running $DRIVER; do
+      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.err"; fail "the group restart did not end within 90 s"; }
+      sleep 0.1
+    done
+    wait $DRIVER
+    rc=$?
+    cat "$TMP/run.err"
+    [ $rc -eq 0 ] || { cat "$TMP/run.out"; fail "the run exited $rc after its node was lost (restart = group)"; }
+    grep -qE "start on node $spare \(node $lost_node is DEAD\)" "$TMP/run.err" || fail "no line saying they start on $spare"
+    grep -qF "model:0, model:1, model:2, model:3 replaced (" "$TMP/run.err" || fail "the group was not replaced whole"
+    grep -qF "from the checkpoint of step 11)" "$TMP/run.err" || fail "the group did not restart from the checkpoint of step 11"
+    grep -E '^epoch [0-9]+  loss ' "$TMP/run.out" | tail -n 30 >"$TMP/got-epochs"
+    diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "restart = group: the losses differ from the run without a fault"
+    [ "$(grep '^final loss:' "$TMP/run.out")" = "$ref_final" ] || fail "restart = group: another final loss"
     expect_no_reservations 5
     expect_no_workers 10
     ;;
