@@ -13,13 +13,14 @@
 set -euo pipefail
 TWK=$1 SRC=$2 EXAMPLES=$3 BENCH=$4
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/twinkle-bench-restart.XXXXXX")
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+PIDS=()  # the remote case's heads and agents
+# Kills what the remote case started: its heads, agents and their workers.
+uncluster() {
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   pkill -KILL -f -- "--plugin $TMP/" 2>/dev/null || true
-  rm -rf "$TMP"
+  PIDS=()
 }
-trap cleanup EXIT
+trap 'uncluster; rm -rf "$TMP"' EXIT
 sed -e "s|^plugin *=.*|plugin = \"$EXAMPLES/digits/libdigits.so\"|" \
   -e 's|^timeout_s = 120|timeout_s = 120\ncheckpoint_dir = "ck"|' \
   -e 's|^ranks  = 4 .*|ranks  = 4\nmax_restarts = 1|' "$SRC/examples/digits/job.toml" >"$TMP/job.toml"
@@ -109,11 +110,6 @@ agent() {
   eval "AGENT_$1=$!"
   PIDS+=("$!")
   wait_line "$TMP/agent-$1.log" "joined the cluster"
-}
-uncluster() {
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-  pkill -KILL -f -- "--plugin $TMP/" 2>/dev/null || true
-  PIDS=()
 }
 moved=() after=() rstart=()
 for rep in 1 2 3; do

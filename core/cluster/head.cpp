@@ -378,8 +378,8 @@ struct Head::State {
     send(from, Message{request, std::move(r)});
   }
 
-  // Room for workers of a run whose node is DEAD (restart = "worker" there): on live nodes other
-  // than `exclude`, from what nobody holds; the run holds the new slots from now on.
+  // Room for workers of a run whose node is DEAD (their group restarts): on live nodes other than
+  // `exclude`, from what nobody holds; the run holds the new slots from now on.
   void on_relocate(const std::string& from, const std::string& user, std::uint64_t request,
                    const proto::Relocate& b) {
     proto::Reservation r;
@@ -420,21 +420,13 @@ struct Head::State {
       send(from, Message{request, std::move(r)});
       return;
     }
-    r.ok = true;
-    std::set<std::string> listed;
+    answer(*slots, r);
     std::vector<proto::RankPlace> places;
     for (std::size_t g = 0; g < slots->size(); ++g) {
-      std::vector<proto::SlotEntry> list;
       for (std::size_t k = 0; k < (*slots)[g].size(); ++k) {
         const Slot& sl = (*slots)[g][k];
-        list.push_back(proto::SlotEntry{sl.node, sl.gpus});
         places.push_back(proto::RankPlace{b.groups[g].name, b.ranks[g][k], sl.node, sl.gpus});
-        if (listed.insert(sl.node).second) {
-          const Node& n = nodes.at(sl.node);
-          r.nodes.push_back(proto::NodeAddress{sl.node, n.host, n.address});
-        }
       }
-      r.groups.push_back(std::move(list));
     }
     for (Bundle& add : bundles_of(*slots, demands)) {
       auto& held = run->second.bundles;
@@ -485,9 +477,15 @@ struct Head::State {
           holders.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(holders, "; "));
       return std::nullopt;
     }
+    answer(*slots, r);
+    return slots;
+  }
+
+  // `r` says ok with `slots`: per group, per worker, and the address of each node they use.
+  void answer(const std::vector<std::vector<Slot>>& slots, proto::Reservation& r) const {
     r.ok = true;
     std::set<std::string> listed;
-    for (const auto& g : *slots) {
+    for (const auto& g : slots) {
       std::vector<proto::SlotEntry> list;
       for (const auto& sl : g) {
         list.push_back(proto::SlotEntry{sl.node, sl.gpus});
@@ -498,7 +496,6 @@ struct Head::State {
       }
       r.groups.push_back(std::move(list));
     }
-    return slots;
   }
 
   void on_release(const std::string& run_id, const std::optional<std::string>& outcome = {}) {

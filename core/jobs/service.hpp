@@ -129,7 +129,7 @@ class JobService {
   // The driver of `run` says that its groups have restarted `count` times so far (after lost
   // workers; max_restarts): its job counts them, and an audit record says so.
   void restarted(const std::string& run, int count);
-  // Ranks of `run` moved off a DEAD node (restart = "worker"): `places` say where they run now.
+  // Ranks of `run` moved off a DEAD node (their group restarted): `places` say where they run now.
   void moved(const std::string& run, const std::vector<proto::RankPlace>& places);
 
   // Drivers on nodes (docs/ARCHITECTURE.md, Drivers on nodes), from the agent of `node`: how the

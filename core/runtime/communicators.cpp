@@ -27,7 +27,7 @@ void Communicators::join(const transport::proto::CommJoin& m) {
 // A communicator across groups: every member first says it joined, so that one that never does
 // is named (instead of a rendezvous key nobody recognises).
 void Communicators::meet(const std::string& name, const Cross& c, transport::CommConfig& config) {
-  config.name = c.generation ? fmt::format("cross/{}@{}", name, c.generation) : "cross/" + name;
+  config.name = cross_key(name, c.generation);
   config.rank = c.rank;
   config.size = static_cast<int>(c.members.size());
   config.timeout = c.timeout;

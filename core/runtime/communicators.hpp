@@ -41,6 +41,11 @@ class Communicators {
   // at a new generation (a member's group restarted), it is made afresh on next use; the old one
   // is kept until the end (a call in progress may hold it).
   void join(const transport::proto::CommJoin& m);
+  // The rendezvous name of communicator across groups `name` at `generation`: "cross/NAME", then
+  // "cross/NAME@GENERATION" after a member's group restarted.
+  static std::string cross_key(const std::string& name, int generation) {
+    return generation ? "cross/" + name + "@" + std::to_string(generation) : "cross/" + name;
+  }
   // Whether `name` is a communicator across groups that this worker is in.
   bool is_cross(const std::string& name) const { return cross_.count(name) > 0; }
 
@@ -73,7 +78,7 @@ class Communicators {
     int rank = 0;
     std::vector<std::string> members;  // "group:index" by rank
     std::chrono::milliseconds timeout{0};
-    int generation = 0;  // its keys': "cross/NAME@GENERATION" after a member's group restarted
+    int generation = 0;  // of its keys (cross_key)
   };
 
   void meet(const std::string& name, const Cross& c, transport::CommConfig& config);

@@ -30,6 +30,7 @@
 #include "core/job/values.hpp"
 #include "core/runtime/call_table.hpp"
 #include "core/runtime/checkpoint.hpp"
+#include "core/runtime/communicators.hpp"
 #include "core/runtime/failure_report.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/launcher.hpp"
@@ -801,7 +802,7 @@ class JobRun : public HostOps {
     std::vector<std::string> cross = comms_with(w.group);
     for (const auto& name : cross) {
       const int gen = comms_.at(name).generation;
-      retired.push_back(gen ? fmt::format("cross/{}@{}/", name, gen) : "cross/" + name + "/");
+      retired.push_back(Communicators::cross_key(name, gen) + "/");
     }
     kv_->retire(std::move(retired), fmt::format("a worker of group {} was lost and is being "
                                                 "replaced; this communicator will not form",

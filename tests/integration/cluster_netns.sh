@@ -161,6 +161,19 @@ workers_on() {
       echo "$p"
   done
 }
+# wait_stopped HOST: until a worker in HOST has stopped itself (args.fail_at's ":stop"; bounded:
+# 60 s), while the run ($DRIVER, rank $stop_rank) goes on.
+wait_stopped() {
+  local deadline=$((SECONDS + 60)) stopped="" p
+  while [ -z "$stopped" ]; do
+    for p in $(workers_on "$1"); do
+      grep -q '^State:.*T (stopped)' "/proc/$p/status" 2>/dev/null && stopped=$p
+    done
+    [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "rank $stop_rank did not stop in epoch 12"; }
+    running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended before rank $stop_rank stopped"; }
+    sleep 0.05
+  done
+}
 # any_workers: pids of workers of this test anywhere (on a host or not).
 any_workers() {
   { for h in "${HOSTS[@]}"; do workers_on "$h"; done
@@ -353,17 +366,7 @@ TOML
     wait_for "$TMP/run.out" "epoch 1 " 60  # the run holds h2 and h3 now
     start_agent h4 2
     wait_for "$TMP/agent-h4.log" "joined the cluster" 10
-    # Until the rank has stopped (bounded: 60 s).
-    deadline=$((SECONDS + 60))
-    stopped=""
-    while [ -z "$stopped" ]; do
-      for p in $(workers_on h3); do
-        grep -q '^State:.*T (stopped)' "/proc/$p/status" 2>/dev/null && stopped=$p
-      done
-      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "rank $stop_rank did not stop in epoch 12"; }
-      running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended before rank $stop_rank stopped"; }
-      sleep 0.05
-    done
+    wait_stopped h3
     # The node is lost: every process of host 3, its agent too.
     cut=$(now)
     for p in $(ip netns pids "$NS-h3"); do kill -KILL "$p" 2>/dev/null; done
@@ -432,16 +435,7 @@ print(lost, min(i for h, i in ws if h == lost), ({"h2", "h3", "h4"} - set(used))
       --set group.model.restart=group --set job.checkpoint_dir=ck \
       --set "args.fail_at=model:$stop_rank:12:stop"
     DRIVER=$SPAWNED
-    deadline=$((SECONDS + 60))
-    stopped=""
-    while [ -z "$stopped" ]; do
-      for p in $(workers_on "$lost_node"); do
-        grep -q '^State:.*T (stopped)' "/proc/$p/status" 2>/dev/null && stopped=$p
-      done
-      [ $SECONDS -lt $deadline ] || { cat "$TMP/run.out" "$TMP/run.err"; fail "rank $stop_rank did not stop in epoch 12"; }
-      running $DRIVER || { cat "$TMP/run.out" "$TMP/run.err"; fail "the run ended before rank $stop_rank stopped"; }
-      sleep 0.05
-    done
+    wait_stopped "$lost_node"
     for p in $(ip netns pids "$NS-$lost_node"); do kill -KILL "$p" 2>/dev/null; done
     deadline=$((SECONDS + 90))
     while running $DRIVER; do
