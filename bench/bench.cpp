@@ -97,12 +97,13 @@ int main(int argc, char** argv) {
   try {
     // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
     // times, alternating, and the medians are compared.
-    std::vector<double> zp50, zp99, tp50, tp99, pp50, pp99, psend;
+    std::vector<double> zp50, zp99, sp50, tp50, tp99, pp50, pp99, psend;
     std::map<std::string, double> c;
     for (int rep = 0; rep < 3; ++rep) {
       const auto [p50, p99] = zmq_rtt(calls);
       zp50.push_back(p50);
       zp99.push_back(p99);
+      sp50.push_back(socketpair_rtt(calls).first);
       auto f = run_twinkle(twinkle, job, "calls", {fmt::format("args.calls={}", calls)}).figures;
       tp50.push_back(f["call_rtt_p50"]);
       tp99.push_back(f["call_rtt_p99"]);
@@ -172,6 +173,8 @@ int main(int argc, char** argv) {
     };
     row("1. call round trip p50, 1 worker (us)*", c["call_rtt_p50"], "", "zmq rtt p50", zmq_p50);
     row("   call round trip p99, 1 worker (us)*", c["call_rtt_p99"], "", "zmq rtt p99", zmq_p99);
+    row("   same p50, next to a raw Unix socket pair", c["call_rtt_p50"], "", "unix rtt p50",
+        percentile(sp50, 0.5));
     row("2. pipelined calls/s, 1 worker", c["pipelined_1_worker"], "",
         fmt::format("zmq pipe {}/{}B", call_bytes, reply_bytes), zmq_pipe);
     row("   pipelined calls/s, 8 workers", c["pipelined_8_workers"], "", "zmq pipe", zmq_pipe);

@@ -1,6 +1,7 @@
 #pragma once
 // What the benchmarks share: percentiles, the raw ZeroMQ and memcpy references, and running a
 // bench job through `twinkle run`.
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -117,6 +118,47 @@ inline std::pair<double, double> zmq_rtt(int n, bool tcp = false) {
     if (i >= 500)
       rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
+  return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
+}
+
+// The floor under any local round trip: a small message to a process over a Unix stream socket
+// pair and back, both sides blocking in read (no ZeroMQ, no framing): p50 and p99 in
+// microseconds.
+inline std::pair<double, double> socketpair_rtt(int n) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) throw std::runtime_error("socketpair");
+  constexpr std::size_t kSize = 19;
+  const pid_t child = fork();
+  if (child == 0) {
+    ::close(sv[0]);
+    char buf[kSize];
+    for (;;) {
+      std::size_t got = 0;
+      while (got < kSize) {
+        const ssize_t r = ::read(sv[1], buf + got, kSize - got);
+        if (r <= 0) _exit(0);
+        got += static_cast<std::size_t>(r);
+      }
+      if (::write(sv[1], buf, kSize) != static_cast<ssize_t>(kSize)) _exit(1);
+    }
+  }
+  ::close(sv[1]);
+  std::vector<double> rtt;
+  char buf[kSize] = "ping-ping-ping-pin";
+  for (int i = 0; i < n + 500; ++i) {
+    const auto t0 = Clock::now();
+    if (::write(sv[0], buf, kSize) != static_cast<ssize_t>(kSize)) break;
+    std::size_t got = 0;
+    while (got < kSize) {
+      const ssize_t r = ::read(sv[0], buf + got, kSize - got);
+      if (r <= 0) break;
+      got += static_cast<std::size_t>(r);
+    }
+    if (i >= 500)
+      rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  ::close(sv[0]);
+  waitpid(child, nullptr, 0);
   return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
 }
 

@@ -19,11 +19,19 @@ FdPair FdPair::pipe(const char* what) {
   return {Fd(p[0]), Fd(p[1])};
 }
 
-FdPair FdPair::seqpacket(const char* what) {
+namespace {
+
+FdPair socket_pair(int type, const char* what) {
   int p[2];
-  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, p) != 0)
+  if (::socketpair(AF_UNIX, type | SOCK_CLOEXEC, 0, p) != 0)
     throw Error(fmt::format("cannot create a socket pair for {}: {}", what, std::strerror(errno)));
   return {Fd(p[0]), Fd(p[1])};
 }
+
+}  // namespace
+
+FdPair FdPair::seqpacket(const char* what) { return socket_pair(SOCK_SEQPACKET, what); }
+
+FdPair FdPair::stream(const char* what) { return socket_pair(SOCK_STREAM, what); }
 
 }  // namespace twinkle::transport

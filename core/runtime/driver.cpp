@@ -545,8 +545,7 @@ class JobRun : public HostOps {
   // one free loopback port per group; workers start from this process's environment (`base`).
   std::vector<Rendezvous> prepare_local(const std::vector<std::string>& identities,
                                         std::vector<std::string>* base) {
-    auto local =
-        std::make_unique<transport::LocalDriverChannel>(zmq_, run_dir_->socket("ctl"), identities);
+    auto local = std::make_unique<transport::LocalDriverChannel>(identities);
     kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
     LocalLaunchOptions lo;
     lo.exe = twinkle_binary();
@@ -940,6 +939,7 @@ class JobRun : public HostOps {
           // Already gone: the launcher reaps it.
         }
       }
+      channel_->flush(kShutdownGrace);  // a worker that has not read all yet still gets it
       const auto stopped = launcher_->stop(kShutdownGrace);
       if (!stopped.empty()) {
         std::fprintf(stderr,
@@ -976,7 +976,7 @@ class JobRun : public HostOps {
   std::unique_ptr<RunDir> run_dir_;
   zmq::context_t zmq_;
   std::unique_ptr<transport::KeyGate> gate_;  // remote mode with keys: admits the run's workers
-  std::unique_ptr<transport::RouterDriverChannel> channel_;
+  std::unique_ptr<transport::CallChannel> channel_;
   std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<CallTable> table_;
   std::unique_ptr<Launcher> launcher_;

@@ -56,8 +56,11 @@ pid_t LocalLauncher::spawn(std::size_t peer, std::vector<std::string> env) {
   // The worker sets its parent-death signal itself and checks that its parent is still this
   // process (posix_spawn cannot set it).
   spec.env.push_back("TWINKLE_PARENT_PID=" + std::to_string(::getpid()));
-  spec.env.push_back("TWINKLE_SHM_FD=3");
-  spec.inherit.emplace_back(channel_.take_worker_end(peer), 3);
+  using Channel = transport::LocalDriverChannel;
+  spec.env.push_back(fmt::format("TWINKLE_SHM_FD={}", Channel::kShmFd));
+  auto ends = channel_.take_worker_ends(peer);
+  spec.inherit.emplace_back(std::move(ends.shm), Channel::kShmFd);
+  spec.inherit.emplace_back(std::move(ends.control), Channel::kControlFd);
   return spawner_.spawn(std::move(spec));
 }
 
@@ -76,7 +79,7 @@ std::string LocalLauncher::restart(const std::vector<std::size_t>& peers,
     if (old > 0) ::kill(old, SIGKILL);
   }
   for (std::size_t p : peers) {
-    channel_.renew_worker_end(p);
+    channel_.renew_worker_ends(p);
     std::vector<std::string> e = launches_.at(p).env;
     override_env(e, env);
     const pid_t pid = spawn(p, std::move(e));

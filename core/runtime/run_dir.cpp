@@ -25,7 +25,7 @@ namespace {
 constexpr std::string_view kPrefix = "twinkle-run.";
 // mkdtemp's random part, the last field of the name.
 constexpr std::string_view kRandom = "XXXXXX";
-// The longest socket name the runtime puts in the folder ("ctl", "kv").
+// The longest fixed socket name the runtime puts in the folder ("kv").
 constexpr std::size_t kLongestSocketName = 8;
 
 // Field 22 of /proc/PID/stat: the process's start time, which tells a reused pid apart.

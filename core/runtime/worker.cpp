@@ -1,5 +1,6 @@
 #include "core/runtime/worker.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -47,8 +48,8 @@ constexpr auto kProbeInterval = std::chrono::milliseconds(300);
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
-// the control socket, the rendezvous socket, this worker's serve socket and its descriptor socket
-char g_run_files[4][kPathMax];
+// the rendezvous socket, this worker's serve socket and its descriptor socket
+char g_run_files[3][kPathMax];
 char g_run_dir[kPathMax];
 // The other local workers' serve sockets (set once at the welcome, never freed): the first
 // worker to notice the driver's death kills the rest before they could remove their own.
@@ -72,6 +73,20 @@ extern "C" void on_driver_death(int) {
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v ? std::atoi(v) : fallback;
+}
+
+// The descriptor of a local worker's control channel, from its endpoint "fd:N". Throws
+// ConfigError for anything else.
+int control_fd(const std::string& endpoint) {
+  const int fd = endpoint.starts_with("fd:") ? std::atoi(endpoint.c_str() + 3) : -1;
+  if (fd < 3 || ::fcntl(fd, F_GETFD) < 0) {
+    throw ConfigError(fmt::format(
+        "--endpoint {}: not a control channel this worker has; a local worker's endpoint is fd:N, "
+        "the descriptor twinkle run hands it (workers are started by twinkle run), a remote "
+        "worker's tcp://HOST:PORT",
+        endpoint));
+  }
+  return fd;
 }
 
 std::string env_str(const char* name) {
@@ -147,9 +162,13 @@ class Worker : public HostOps {
             _exit(1);
           });
     } else {
+      // A local worker: its control channel and descriptor channel are inherited descriptors.
+      // Its driver closing the control channel means it died: the same as its parent-death
+      // signal.
       const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
-      link_ = transport::connect_local_worker(zmq_, o.endpoint, name_,
-                                              Fd(shm_fd ? std::atoi(shm_fd) : -1));
+      link_ = transport::connect_local_worker(Fd(control_fd(o.endpoint)),
+                                              Fd(shm_fd ? std::atoi(shm_fd) : -1),
+                                              [](const std::string&) { on_driver_death(SIGHUP); });
     }
     // create/call/wait/release/attach as in a driver entry (HostOps); the collectives below.
     host_ = host_table();
@@ -255,7 +274,7 @@ class Worker : public HostOps {
       on_link_ready();
       on_serve_ready();
       if (queue_.empty())
-        transport::wait_readable({link_->socket(), serve_->socket()}, -1,
+        transport::wait_readable({link_->waitable(), serve_->socket()}, -1,
                                  std::chrono::milliseconds(-1));
     }
   }
@@ -322,8 +341,8 @@ class Worker : public HostOps {
       return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
-    std::snprintf(g_run_files[2], sizeof g_run_files[2], "%s", path.c_str());
-    std::snprintf(g_run_files[3], sizeof g_run_files[3], "%s.fd", path.c_str());
+    std::snprintf(g_run_files[1], sizeof g_run_files[1], "%s", path.c_str());
+    std::snprintf(g_run_files[2], sizeof g_run_files[2], "%s.fd", path.c_str());
     return "ipc://" + path;
   }
 
@@ -361,7 +380,7 @@ class Worker : public HostOps {
     }
     peers_ = std::make_unique<transport::PeerChannel>(zmq_, name_, std::move(names),
                                                       std::move(endpoints), client);
-    peers_->watch(link_->socket(), [this] { on_link_ready(); });
+    peers_->watch(link_->waitable(), [this] { on_link_ready(); });
     peers_->watch(serve_->socket(), [this] { on_serve_ready(); });
     peers_->every(kProbeInterval, [this] { calls_->send_probes(); });
     CustomFunctions custom{[this](std::string_view n) { return plugin_.find_dispatcher(n); },
@@ -862,9 +881,7 @@ bool run_worker(const WorkerOptions& o) {
   // First: changing the uid clears the parent-death signal asked for below.
   if (!o.user.empty()) become(o.user);
   if (!o.run_dir.empty()) {
-    const std::string files[2] = {(o.run_dir / "ctl").string(), (o.run_dir / "kv").string()};
-    for (int i = 0; i < 2; ++i)
-      std::snprintf(g_run_files[i], sizeof g_run_files[i], "%s", files[i].c_str());
+    std::snprintf(g_run_files[0], sizeof g_run_files[0], "%s", (o.run_dir / "kv").c_str());
     std::snprintf(g_run_dir, sizeof g_run_dir, "%s", o.run_dir.c_str());
   }
   struct sigaction sa {};

@@ -542,24 +542,28 @@ PY
     expect_clean
     ;;
   intruder)
-    # A process of the same user that talks to the control socket is ignored and counted, never
-    # fatal; the run goes on.
+    # A process of the same user cannot reach the control channel: it is a socket pair per
+    # worker, with nothing in the run folder to connect to. A worker started by hand is refused
+    # at once, saying why, and the run goes on.
     start_hanging
     rundir=$(ls -d "$TMPDIR"/twinkle-run.*)
-    TWINKLE_WORKER_NAME=intruder "$TWK" worker --endpoint "ipc://$rundir/ctl" --plugin "$PLUGIN" \
-      >"$TMP/intruder.out" 2>&1 &
-    INTRUDER=$!
-    deadline=$((SECONDS + 10))
-    until grep -q 'from an unknown peer "intruder"' "$TMP/err"; do
-      [ $SECONDS -lt $deadline ] || { cat "$TMP/err"; fail "the intruder's hello was not reported"; }
-      sleep 0.05
+    [ ! -e "$rundir/ctl" ] || fail "the run folder has a control socket: $(ls "$rundir")"
+    ls "$rundir" | grep -qvE '^(kv|w[0-9]+(\.fd)?|owner)$' &&
+      fail "the run folder has more than the rendezvous and serve sockets: $(ls "$rundir")"
+    for endpoint in "ipc://$rundir/ctl" "fd:4" "fd:99"; do
+      rc=0
+      TWINKLE_WORKER_NAME=a:0 "$TWK" worker --endpoint "$endpoint" --plugin "$PLUGIN" \
+        --run-dir "$rundir" >"$TMP/intruder.out" 2>&1 4<&- || rc=$?
+      [ "$rc" -eq 2 ] || { cat "$TMP/intruder.out"; fail "a worker started by hand on $endpoint exited $rc, expected 2"; }
+      grep -qF -- "--endpoint $endpoint: not a control channel this worker has" "$TMP/intruder.out" ||
+        { cat "$TMP/intruder.out"; fail "the refused worker did not say why"; }
     done
-    kill -0 $DRIVER_PID 2>/dev/null || fail "an unknown peer stopped the run"
-    kill $INTRUDER 2>/dev/null; wait $INTRUDER 2>/dev/null
+    kill -0 $DRIVER_PID 2>/dev/null || fail "a worker started by hand stopped the run"
+    [ -d "$rundir" ] || fail "a worker started by hand removed the run folder"
     kill -TERM $DRIVER_PID
     wait_driver
     [ "$DRIVER_RC" -eq 143 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 143"; }
-    grep -q "internal error" "$TMP/err" && fail "an unknown peer caused an internal error"
+    grep -q "internal error" "$TMP/err" && fail "a worker started by hand caused an internal error"
     expect_clean
     ;;
   freeze)

@@ -17,7 +17,10 @@
 #include <fmt/format.h>
 
 #include "tests/unit/fixtures.hpp"
+#include "transports/fd.hpp"
 #include "transports/zmq/channel.hpp"
+#include "transports/zmq/kv.hpp"
+#include "transports/zmq/stream.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
 
@@ -273,11 +276,11 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
   }
 }
 
+// The TCP channel (remote workers) knows its peers by identity: what else connects is dropped.
 TEST_CASE("driver channel: a message from an unknown identity is dropped and counted", "[zmq]") {
-  TempDir dir;
   zmq::context_t ctx;
-  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
-  CHECK(channel.endpoint() == "ipc://" + (dir.path / "ctl").string());
+  TcpDriverChannel channel(ctx, "127.0.0.1", {"w0", "w1"}, SocketSecurity{});
+  REQUIRE(channel.endpoint().starts_with("tcp://127.0.0.1:"));
 
   zmq::socket_t intruder(ctx, zmq::socket_type::dealer);
   intruder.set(zmq::sockopt::linger, 0);
@@ -296,9 +299,8 @@ TEST_CASE("driver channel: a message from an unknown identity is dropped and cou
 
 TEST_CASE("driver channel: a stranger that takes a worker's identity first does not keep it",
           "[zmq]") {
-  TempDir dir;
   zmq::context_t ctx;
-  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
+  TcpDriverChannel channel(ctx, "127.0.0.1", {"w0", "w1"}, SocketSecurity{});
   // A process of an older build claims w1's identity and says hello in protocol version 1.
   zmq::socket_t intruder(ctx, zmq::socket_type::dealer);
   intruder.set(zmq::sockopt::linger, 0);
@@ -312,7 +314,8 @@ TEST_CASE("driver channel: a stranger that takes a worker's identity first does 
   REQUIRE(channel.dropped() == 1);
 
   // The real worker connects later with the same identity: its hello arrives and it is answered.
-  auto link = connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1));
+  auto link = connect_tcp_worker(ctx, channel.endpoint(), "w1", SocketSecurity{},
+                                 [](const std::string&) {});
   link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
   auto e = channel.next(5s);
   REQUIRE(e);
@@ -326,11 +329,24 @@ TEST_CASE("driver channel: a stranger that takes a worker's identity first does 
   CHECK(w->type() == MsgType::shutdown);
 }
 
+namespace {
+
+// A local worker's link on the ends the channel hands out for `peer`; `lost` counts on_lost.
+std::unique_ptr<WorkerLink> local_link(LocalDriverChannel& channel, std::size_t peer,
+                                       int* lost = nullptr) {
+  auto ends = channel.take_worker_ends(peer);
+  return connect_local_worker(std::move(ends.control), std::move(ends.shm),
+                              [lost](const std::string&) {
+                                if (lost) ++*lost;
+                              });
+}
+
+}  // namespace
+
 TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]") {
-  TempDir dir;
-  zmq::context_t ctx;
-  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
-  auto link = connect_local_worker(ctx, channel.endpoint(), "w1", channel.take_worker_end(1));
+  LocalDriverChannel channel({"w0", "w1"});
+  CHECK(channel.endpoint() == "fd:4");
+  auto link = local_link(channel, 1);
   link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
 
   auto e = channel.next(5s);
@@ -351,10 +367,60 @@ TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]
   CHECK(w->get<proto::Welcome>()->self == 1);
 }
 
+TEST_CASE("driver channel: tensors reach a local worker inline and in shared memory", "[zmq]") {
+  LocalDriverChannel channel({"w0"});
+  auto link = local_link(channel, 0);
+  // One below the shared-memory threshold (a frame of its own), one above (a memfd).
+  Tensor small(DType::f32, {1000});
+  Tensor big(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});
+  small.mutable_span<float>()[999] = 7;
+  big.mutable_span<float>()[12345] = 9;
+  channel.send(0, Message{5, proto::Call{1, "m", "x.cpp:1",
+                                         encode(Value::list({Value(small), Value(big)})), {}}});
+  auto m = link->recv(5s);
+  REQUIRE(m);
+  REQUIRE(m->get<proto::Call>());
+  CHECK(m->id == 5);
+  const Value args = decode(m->get<proto::Call>()->args);
+  CHECK(args[0].tensor().span<float>()[999] == 7);
+  CHECK(args[0].tensor().shm_fd() < 0);
+  CHECK(args[1].tensor().span<float>()[12345] == 9);
+  CHECK(args[1].tensor().shm_fd() >= 0);
+}
+
+TEST_CASE("driver channel: more than the sockets hold, both ways, without blocking either side",
+          "[zmq]") {
+  // The driver sends calls without reading while the worker answers each: neither blocks on the
+  // other (the driver's sends wait in its outbox, the worker's replies in the socket), and all
+  // arrive in order.
+  LocalDriverChannel channel({"w0"});
+  auto link = local_link(channel, 0);
+  const std::string pad(60000, 'p');
+  constexpr int kCalls = 400;  // 24 MB each way: more than any socket buffer
+  for (int i = 0; i < kCalls; ++i)
+    channel.send(0, Message{static_cast<std::uint64_t>(i + 1),
+                            proto::Call{1, "m", pad, encode(Value::list()), {}}});
+  std::thread worker([&] {
+    for (int i = 0; i < kCalls; ++i) {
+      auto m = link->recv(10s);
+      if (!m || m->id != static_cast<std::uint64_t>(i + 1)) return;
+      link->send(Message{m->id, proto::Reply{std::nullopt, encode(Value(pad))}});
+    }
+  });
+  int got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (got < kCalls && std::chrono::steady_clock::now() < deadline) {
+    auto e = channel.next(100ms);
+    if (!e || e->kind != ChannelEvent::Kind::message) continue;
+    if (e->message.id != static_cast<std::uint64_t>(got + 1)) break;
+    ++got;
+  }
+  worker.join();
+  CHECK(got == kCalls);
+}
+
 TEST_CASE("driver channel: lost() from another thread wakes a next() that waits forever", "[zmq]") {
-  TempDir dir;
-  zmq::context_t ctx;
-  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0", "w1"});
+  LocalDriverChannel channel({"w0", "w1"});
   auto waiting =
       std::async(std::launch::async, [&] { return channel.next(std::chrono::milliseconds(-1)); });
   std::thread reporter([&] { channel.lost(1, "exited with code 3"); });
@@ -370,35 +436,115 @@ TEST_CASE("driver channel: lost() from another thread wakes a next() that waits 
   CHECK_FALSE(channel.next(0ms));  // delivered once
 }
 
+TEST_CASE("driver channel: a loss queued before next() is delivered once", "[zmq]") {
+  LocalDriverChannel channel({"w0", "w1"});
+  channel.lost(0, "killed by signal 9");
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  CHECK(e->kind == ChannelEvent::Kind::lost);
+  CHECK(e->peer == 0);
+  CHECK_FALSE(channel.next(0ms));
+}
+
 TEST_CASE("driver channel: wake() makes a waiting next() return a wake event", "[zmq]") {
-  TempDir dir;
-  zmq::context_t ctx;
-  LocalDriverChannel channel(ctx, dir.path / "ctl", {"w0"});
+  LocalDriverChannel channel({"w0"});
   channel.wake();
   auto e = channel.next(5s);
   REQUIRE(e);
   CHECK(e->kind == ChannelEvent::Kind::wake);
 }
 
-TEST_CASE("driver channel: a control socket path too long for a Unix socket", "[zmq]") {
+TEST_CASE("driver channel: a lost worker's last messages come before its loss", "[zmq]") {
+  LocalDriverChannel channel({"w0", "w1"});
+  int lost = 0;
+  {
+    auto link = local_link(channel, 1, &lost);
+    link->send(Message{7, proto::Reply{std::nullopt, encode(Value(1))}});
+  }  // the worker is gone: its end is closed
+  channel.lost(1, "exited with code 3");
+  auto first = channel.next(5s);
+  REQUIRE(first);
+  CHECK(first->kind == ChannelEvent::Kind::message);
+  CHECK(first->message.id == 7);
+  auto second = channel.next(5s);
+  REQUIRE(second);
+  CHECK(second->kind == ChannelEvent::Kind::lost);
+  CHECK(second->peer == 1);
+  CHECK_THROWS_AS(channel.send(1, Message{0, proto::Shutdown{}}), TransportError);
+  CHECK(lost == 0);
+}
+
+TEST_CASE("driver channel: a worker's link says so when the driver's end is gone", "[zmq]") {
+  int lost = 0;
+  std::unique_ptr<WorkerLink> link;
+  {
+    LocalDriverChannel channel({"w0"});
+    link = local_link(channel, 0, &lost);
+    channel.send(0, Message{0, proto::Shutdown{}});
+  }
+  // What the driver sent before it went is still read, then the loss is told once.
+  auto m = link->recv(5s);
+  REQUIRE(m);
+  CHECK(m->type() == MsgType::shutdown);
+  CHECK_FALSE(link->recv(5s));
+  CHECK(lost == 1);
+  CHECK_FALSE(link->recv(0ms));
+  link->send(Message{0, proto::Shutdown{}});  // no one to send to: dropped, no error
+  CHECK(lost == 1);
+}
+
+TEST_CASE("frame stream: a stream whose framing breaks is closed and says why", "[zmq]") {
+  auto pair = FdPair::stream("a test");
+  FrameStream reader(std::move(pair.first));
+  unsigned char bogus[8];
+  const std::uint64_t size = FrameStream::kMaxFrame + 1;
+  for (int i = 0; i < 8; ++i) bogus[i] = static_cast<unsigned char>(size >> (8 * i));
+  REQUIRE(::write(pair.second.get(), bogus, sizeof bogus) == 8);
+  REQUIRE(reader.read() == FrameStream::Read::data);
+  CHECK_FALSE(reader.take());
+  CHECK(reader.closed());
+  CHECK(reader.error() == fmt::format("a frame of {} bytes (the framing is broken)", size));
+}
+
+TEST_CASE("frame stream: a message in several frames arrives whole, split across reads",
+          "[zmq]") {
+  auto pair = FdPair::stream("a test");
+  FrameStream writer(std::move(pair.first)), reader(std::move(pair.second));
+  Frames out;
+  out.emplace_back(std::string("head"));
+  out.emplace_back();  // an empty frame stays a frame
+  out.emplace_back(std::string(200000, 'x'));
+  writer.send(std::move(out));
+  REQUIRE(writer.flush_wait(5s));
+  std::optional<Frames> in;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!in && std::chrono::steady_clock::now() < deadline) in = reader.recv();
+  REQUIRE(in);
+  REQUIRE(in->size() == 3);
+  CHECK((*in)[0].to_string() == "head");
+  CHECK((*in)[1].size() == 0);
+  CHECK((*in)[2].size() == 200000);
+  CHECK_FALSE(reader.take());
+}
+
+TEST_CASE("rendezvous store: a socket path too long for a Unix socket", "[zmq]") {
   zmq::context_t ctx;
   const std::string path = "/tmp/" + std::string(103, 'x');  // 108 characters
   REQUIRE(path.size() == 108);
-  CHECK_THROWS_AS(LocalDriverChannel(ctx, path, {"w0"}), TransportError);
   CHECK_THROWS_WITH(
-      LocalDriverChannel(ctx, path, {"w0"}),
-      fmt::format("the control socket path {} is 108 characters long, more than a Unix socket "
+      KvServer(ctx, "ipc://" + path),
+      fmt::format("the rendezvous socket path {} is 108 characters long, more than a Unix socket "
                   "allows (107); set TMPDIR to a shorter folder",
                   path));
 }
 
-TEST_CASE("driver channel: a path of 107 characters still binds", "[zmq]") {
+TEST_CASE("rendezvous store: a path of 107 characters still binds", "[zmq]") {
   TempDir dir;
   zmq::context_t ctx;
   const std::size_t name = 107 - dir.path.string().size() - 1;
   const fs::path path = dir.path / std::string(name, 's');
   REQUIRE(path.string().size() == 107);
-  LocalDriverChannel channel(ctx, path, {"w0"});
+  KvServer server(ctx, "ipc://" + path.string());
   CHECK(fs::exists(path));
 }
 

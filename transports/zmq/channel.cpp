@@ -42,30 +42,72 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
   }
 }
 
+// A local worker's end of its driver's channel: the control stream, read and written by the
+// worker's thread itself. A reply the socket cannot take at once is written before send()
+// returns: the driver's side never blocks on a worker, so it reads it.
 class LocalWorkerLink : public WorkerLink {
  public:
-  LocalWorkerLink(zmq::context_t& context, const std::string& endpoint, const std::string& identity,
-                  Fd shm)
-      : socket_(make_socket(context, zmq::socket_type::dealer)) {
-    socket_.set(zmq::sockopt::routing_id, identity);
-    // Replies already queued still leave when the worker exits after its last one.
-    socket_.set(zmq::sockopt::linger, 2000);
-    socket_.connect(endpoint);
+  LocalWorkerLink(Fd control, Fd shm, std::function<void(const std::string&)> on_lost)
+      : stream_(std::move(control)), on_lost_(std::move(on_lost)) {
     if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
   }
-  void send(const Message& m) override { send_message(socket_, m, nullptr, shm_.get()); }
+  void send(const Message& m) override {
+    if (stream_.closed()) return;  // the driver is gone (on_lost ran): nobody waits for this
+    try {
+      stream_.send(encode_message(m, shm_.get()));
+      if (stream_.has_output()) stream_.flush_wait(std::chrono::milliseconds(-1));
+    } catch (const TransportError& e) {
+      lost(e.what());
+    }
+  }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
-    return recv_decoded(socket_, timeout, shm_.get(), drops_);
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+      if (auto frames = stream_.recv()) {
+        try {
+          return decode_message(std::move(*frames), shm_.get());
+        } catch (const ProtocolError& e) {
+          drops_.drop(e.what());
+          continue;
+        }
+      }
+      if (stream_.closed()) {
+        lost(stream_.error().empty() ? "the driver closed its end of the control channel"
+                                     : "the control channel broke: " + stream_.error());
+        return std::nullopt;
+      }
+      long left = -1;
+      if (timeout.count() >= 0) {
+        left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        if (left < 0) left = 0;
+      }
+      pollfd p{stream_.fd(), POLLIN, 0};
+      int rc;
+      do {
+        rc = ::poll(&p, 1, static_cast<int>(left));
+      } while (rc < 0 && errno == EINTR);
+      if (rc <= 0 && left >= 0) return std::nullopt;
+    }
   }
   EncodedValue adopt(const twk_value_v1& v) override {
     return shm_ ? adopt_to_shm(v) : copy_encoded(v);
   }
-  zmq::socket_ref socket() override { return socket_; }
+  Waitable waitable() override { return Waitable::descriptor(stream_.fd()); }
   void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
-  zmq::socket_t socket_;
+  void lost(const std::string& why) {
+    if (lost_reported_) return;
+    lost_reported_ = true;
+    if (on_lost_) on_lost_(why);
+  }
+
+  FrameStream stream_;
   std::unique_ptr<ShmChannel> shm_;
+  std::function<void(const std::string&)> on_lost_;
+  bool lost_reported_ = false;
   DropLog drops_{"the worker's link to its driver"};
 };
 
@@ -102,7 +144,7 @@ class TcpWorkerLink : public WorkerLink {
     return recv_decoded(socket_, timeout, nullptr, drops_);
   }
   EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
-  zmq::socket_ref socket() override { return socket_; }
+  Waitable waitable() override { return socket_; }
   void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
@@ -114,15 +156,15 @@ class TcpWorkerLink : public WorkerLink {
 
 }  // namespace
 
-Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
+Woke wait_readable(std::initializer_list<Waitable> waitables, int fd,
                    std::chrono::milliseconds timeout) {
   pollfd fds[8];
   zmq::socket_ref socks[7];
   std::size_t n = 0;
-  for (auto s : sockets) {
+  for (const auto& w : waitables) {
     if (n == 7) break;
-    socks[n] = s;
-    fds[n++] = pollfd{s.get(zmq::sockopt::fd), POLLIN, 0};
+    socks[n] = w.socket;
+    fds[n++] = pollfd{w.socket ? w.socket.get(zmq::sockopt::fd) : w.fd, POLLIN, 0};
   }
   std::size_t count = n;
   if (fd >= 0) fds[count++] = pollfd{fd, POLLIN, 0};
@@ -135,7 +177,7 @@ Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
   for (std::size_t i = 0; i < n; ++i) {
     if (!fds[i].revents) continue;
     // Processes the socket's commands (a pipe with new messages becomes readable).
-    (void)socks[i].get(zmq::sockopt::events);
+    if (socks[i]) (void)socks[i].get(zmq::sockopt::events);
     woke.sockets |= 1u << i;
   }
   woke.fd = fd >= 0 && fds[count - 1].revents != 0;
@@ -192,6 +234,11 @@ std::optional<ChannelEvent> ChannelEvents::take() {
   return e;
 }
 
+void ChannelEvents::clear() {
+  std::uint64_t n;
+  (void)!::read(wake_.get(), &n, sizeof n);
+}
+
 ChannelEvent ChannelEvents::signalled() {
   std::uint64_t n;
   (void)!::read(wake_.get(), &n, sizeof n);
@@ -203,27 +250,152 @@ ChannelEvent ChannelEvents::signalled() {
 
 RouterDriverChannel::~RouterDriverChannel() = default;
 
-LocalDriverChannel::LocalDriverChannel(zmq::context_t& context,
-                                       const std::filesystem::path& socket_path,
-                                       std::vector<std::string> identities)
-    : RouterDriverChannel(context, std::move(identities)) {
-  const std::string path = socket_path.string();
-  if (path.size() > kMaxSocketPath) {
-    throw TransportError(fmt::format(
-        "the control socket path {} is {} characters long, more than a Unix socket allows ({}); "
-        "set TMPDIR to a shorter folder",
-        path, path.size(), kMaxSocketPath));
+// One local worker's channels: the driver's ends, and the worker's until it is spawned.
+struct LocalDriverChannel::Peer {
+  Peer(ShmPool* pool) {
+    FdPair control = FdPair::stream("a worker's control channel");
+    FdPair shm_pair = FdPair::seqpacket("a worker's shared-memory channel");
+    stream = std::make_unique<FrameStream>(std::move(control.first));
+    shm = std::make_unique<ShmChannel>(std::move(shm_pair.first), pool);
+    ends = {std::move(control.second), std::move(shm_pair.second)};
   }
-  endpoint_ = "ipc://" + path;
+  std::unique_ptr<FrameStream> stream;
+  std::unique_ptr<ShmChannel> shm;
+  WorkerEnds ends;
+  bool readable = false;  // the last poll said so, and no read emptied it since
+  bool broken = false;    // its framing broke: reported once
+};
+
+LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
+    : endpoint_(fmt::format("fd:{}", kControlFd)), names_(std::move(names)) {
+  for (std::size_t i = 0; i < names_.size(); ++i) peers_.push_back(std::make_unique<Peer>(&pool_));
+}
+
+LocalDriverChannel::~LocalDriverChannel() = default;
+
+LocalDriverChannel::WorkerEnds LocalDriverChannel::take_worker_ends(std::size_t peer) {
+  return std::move(peers_.at(peer)->ends);
+}
+
+void LocalDriverChannel::renew_worker_ends(std::size_t peer) {
+  peers_.at(peer) = std::make_unique<Peer>(&pool_);
+}
+
+void LocalDriverChannel::send(std::size_t peer, const Message& m) {
+  Peer& p = *peers_.at(peer);
   try {
-    router_.bind(endpoint_);
-  } catch (const zmq::error_t& e) {
-    throw TransportError(fmt::format("cannot bind the control socket {}: {}", endpoint_, e.what()));
+    p.stream->send(encode_message(m, p.shm.get()));
+  } catch (const TransportError& e) {
+    throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
-  for (std::size_t i = 0; i < identities_.size(); ++i) {
-    FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
-    shm_.push_back(std::make_unique<ShmChannel>(std::move(pair.first), &pool_));
-    worker_ends_.push_back(std::move(pair.second));
+}
+
+void LocalDriverChannel::lost(std::size_t peer, std::string reason,
+                              std::vector<std::size_t> with) {
+  events_.lost(peer, std::move(reason), std::move(with));
+}
+
+bool LocalDriverChannel::flush(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  bool all = true;
+  for (auto& p : peers_) {
+    if (!p->stream->has_output() || p->stream->closed()) continue;
+    const auto left =
+        std::max(std::chrono::milliseconds(0),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    try {
+      all = p->stream->flush_wait(left) && all;
+    } catch (const TransportError&) {
+      // That worker is gone: its launcher reports it.
+    }
+  }
+  return all;
+}
+
+std::optional<ChannelEvent> LocalDriverChannel::take_read() {
+  for (std::size_t k = 0; k < peers_.size(); ++k) {
+    const std::size_t i = (turn_ + k) % peers_.size();
+    Peer& p = *peers_[i];
+    while (auto frames = p.stream->take()) {
+      try {
+        ChannelEvent e;
+        e.peer = i;
+        e.message = decode_message(std::move(*frames), p.shm.get());
+        turn_ = i + 1;
+        return e;
+      } catch (const TransportError& err) {
+        drops_.drop(fmt::format("from worker {}: {}", names_[i], err.what()));
+      }
+    }
+    if (p.stream->closed() && !p.stream->error().empty() && !p.broken) {
+      p.broken = true;
+      drops_.drop(fmt::format("from worker {}: {}", names_[i], p.stream->error()));
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const bool forever = timeout.count() < 0;
+  const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
+  for (;;) {
+    if (auto e = take_read()) return e;
+    // Read what the last poll found, until each of those sockets is empty.
+    bool read = false;
+    for (auto& p : peers_) {
+      if (!p->readable) continue;
+      if (p->stream->read() == FrameStream::Read::data) {
+        read = true;
+        p->readable = !p->stream->drained();
+      } else {
+        p->readable = false;
+      }
+    }
+    if (read) continue;
+    // What a peer sent comes before the news that it is lost: a lost worker's last answers
+    // count (the loss of a worker whose group restarts fails only the calls it did not answer).
+    // So a lost event is delivered only once a poll found no peer with more to read.
+    if (!held_) held_ = events_.take();
+    long left = -1;
+    if (held_) {
+      left = 0;
+    } else if (!forever) {
+      left = std::max<long>(
+          0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+    }
+    polled_.clear();
+    for (auto& p : peers_) {
+      short events = 0;
+      if (!p->stream->closed()) events = p->stream->has_output() ? POLLIN | POLLOUT : POLLIN;
+      polled_.push_back(pollfd{events ? p->stream->fd() : -1, events, 0});
+    }
+    polled_.push_back(pollfd{events_.fd(), POLLIN, 0});
+    int rc;
+    do {
+      rc = ::poll(polled_.data(), polled_.size(), static_cast<int>(left));
+    } while (rc < 0 && errno == EINTR);
+    bool any = false;
+    for (std::size_t i = 0; i < peers_.size() && rc > 0; ++i) {
+      const short r = polled_[i].revents;
+      if (r & POLLOUT) {
+        try {
+          peers_[i]->stream->flush();
+        } catch (const TransportError&) {
+          // That worker is gone: its launcher reports it.
+        }
+      }
+      if (r & (POLLIN | POLLHUP | POLLERR)) any = peers_[i]->readable = true;
+    }
+    if (any) continue;
+    if (held_) {
+      // Its signal goes too (a later loss is taken before the next wait all the same).
+      events_.clear();
+      return std::exchange(held_, std::nullopt);
+    }
+    if (rc > 0 && (polled_.back().revents & POLLIN)) return events_.signalled();
+    if (!forever && Clock::now() >= deadline) return std::nullopt;
   }
 }
 
@@ -244,21 +416,9 @@ TcpDriverChannel::TcpDriverChannel(zmq::context_t& context, const std::string& h
   endpoint_ = router_.get(zmq::sockopt::last_endpoint);
 }
 
-LocalDriverChannel::~LocalDriverChannel() = default;
-
-Fd LocalDriverChannel::take_worker_end(std::size_t peer) {
-  return std::move(worker_ends_.at(peer));
-}
-
-void LocalDriverChannel::renew_worker_end(std::size_t peer) {
-  FdPair pair = FdPair::seqpacket("a worker's shared-memory channel");
-  shm_.at(peer) = std::make_unique<ShmChannel>(std::move(pair.first), &pool_);
-  worker_ends_.at(peer) = std::move(pair.second);
-}
-
 void RouterDriverChannel::send(std::size_t peer, const Message& m) {
   try {
-    send_message(router_, m, &identities_.at(peer), shm_of(peer));
+    send_message(router_, m, &identities_.at(peer));
   } catch (const zmq::error_t& e) {
     throw TransportError(fmt::format("cannot reach worker {}: {}", identities_.at(peer), e.what()));
   }
@@ -303,7 +463,7 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
     try {
       ChannelEvent e;
       e.peer = it->second;
-      e.message = decode_message(std::move(frames), shm_of(it->second));
+      e.message = decode_message(std::move(frames));
       return e;
     } catch (const TransportError& err) {
       drops_.drop(fmt::format("from worker {}: {}", identity, err.what()));
@@ -311,10 +471,9 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
   }
 }
 
-std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
-                                                 const std::string& endpoint,
-                                                 const std::string& identity, Fd shm) {
-  return std::make_unique<LocalWorkerLink>(context, endpoint, identity, std::move(shm));
+std::unique_ptr<WorkerLink> connect_local_worker(Fd control, Fd shm,
+                                                 std::function<void(const std::string&)> on_lost) {
+  return std::make_unique<LocalWorkerLink>(std::move(control), std::move(shm), std::move(on_lost));
 }
 
 }  // namespace twinkle::transport

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <poll.h>
+
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -18,6 +20,7 @@
 #include "transports/shm/segment.hpp"
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/message.hpp"
+#include "transports/zmq/stream.hpp"
 #include "twinkle/fd.hpp"
 
 // The worker channel: how the driver and its workers exchange messages, whatever carries them.
@@ -26,7 +29,7 @@
 namespace twinkle::transport {
 
 // The longest path a Unix socket address holds (sockaddr_un::sun_path, without its NUL): the
-// limit on LocalDriverChannel's socket path.
+// limit on the socket paths in a run folder.
 inline constexpr std::size_t kMaxSocketPath = 107;
 
 // What the driver's end of the channel delivers.
@@ -39,20 +42,34 @@ struct ChannelEvent {
   std::vector<std::size_t> with;  // lost: peers of the same group lost with it (a DEAD node's)
 };
 
-// What woke wait_readable: bit i of `sockets` for sockets[i], `fd` for the descriptor.
+// Something a wait can wake on: a ZeroMQ socket, or a descriptor that polls readable (a
+// FrameStream's socket).
+struct Waitable {
+  Waitable(zmq::socket_ref s) : socket(s) {}  // NOLINT: a socket is the common case
+  Waitable(zmq::socket_t& s) : socket(s) {}    // NOLINT
+  static Waitable descriptor(int fd) {
+    Waitable w{zmq::socket_ref()};
+    w.fd = fd;
+    return w;
+  }
+  zmq::socket_ref socket;
+  int fd = -1;
+};
+
+// What woke wait_readable: bit i of `waitables` for waitables[i], `fd` for the descriptor.
 struct Woke {
   unsigned sockets = 0;
   bool fd = false;
   explicit operator bool() const { return sockets != 0 || fd; }
 };
 
-// Waits until one of `sockets` (at most 7) may have a message or `fd` (when >= 0) is readable, up
-// to `timeout` (negative: no limit); nothing woke on timeout. Cheaper than zmq::poll (no first
+// Waits until one of `waitables` (at most 7) may have a message or `fd` (when >= 0) is readable,
+// up to `timeout` (negative: no limit); nothing woke on timeout. Cheaper than zmq::poll (no first
 // pass, no readiness query of sockets that did not wake): call it only once a non-blocking receive
-// on each of `sockets` found nothing, since ZeroMQ signals a socket's descriptor only for what
+// on each of `waitables` found nothing, since ZeroMQ signals a socket's descriptor only for what
 // arrives after that. A socket that woke has its pending commands processed, so that the next
 // non-blocking receive sees what came.
-Woke wait_readable(std::initializer_list<zmq::socket_ref> sockets, int fd,
+Woke wait_readable(std::initializer_list<Waitable> waitables, int fd,
                    std::chrono::milliseconds timeout);
 
 // A channel's lost and wake events: queued from any thread, signalled through an eventfd that the
@@ -69,6 +86,9 @@ class ChannelEvents {
   int fd() const { return wake_.get(); }
   // After fd() polled readable: clears it and returns the queued event, or a wake event.
   ChannelEvent signalled();
+  // Clears fd() without taking an event: for a reader that took one with take() and takes the
+  // rest with take() before each wait.
+  void clear();
 
  private:
   Fd wake_;  // eventfd
@@ -100,6 +120,12 @@ class CallChannel {
   virtual void forget_lost(std::size_t peer) { (void)peer; }
   // Makes a waiting next() return a wake event (a signal arrived, for example).
   virtual void wake() = 0;
+  // Waits up to `timeout` until what send() queued has left (a channel that writes the socket
+  // itself may hold messages a full socket did not take yet); false when some had not.
+  virtual bool flush(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return true;
+  }
   // Messages dropped so far: from unknown peers, or malformed.
   virtual std::uint64_t dropped() const = 0;
   // A value the plugin handed over (which must be copied out of its memory) in the form this
@@ -120,12 +146,12 @@ class WorkerLink {
   virtual EncodedValue adopt(const twk_value_v1& v) = 0;
   // A message that decoded but that the worker does not take: dropped, into the link's DropLog.
   virtual void drop(const std::string& why) = 0;
-  // The socket to poll beside others (a worker also serves calls from other workers).
-  virtual zmq::socket_ref socket() = 0;
+  // What to poll beside others (a worker also serves calls from other workers).
+  virtual Waitable waitable() = 0;
 };
 
-// The driver's end as a ZeroMQ ROUTER: what local and TCP channels share (peers by identity,
-// lost and wake events through an eventfd, dropped messages counted and rate-limit logged).
+// The driver's end as a ZeroMQ ROUTER (TcpDriverChannel's base): peers by identity, lost and wake
+// events through an eventfd, dropped messages counted and rate-limit logged.
 class RouterDriverChannel : public CallChannel {
  public:
   ~RouterDriverChannel() override;
@@ -140,8 +166,6 @@ class RouterDriverChannel : public CallChannel {
 
  protected:
   RouterDriverChannel(zmq::context_t& context, std::vector<std::string> identities);
-  // Peer's shared-memory channel, or null where there is none.
-  virtual ShmChannel* shm_of(std::size_t peer) = 0;
 
   std::string endpoint_;
   zmq::socket_t router_;
@@ -153,32 +177,57 @@ class RouterDriverChannel : public CallChannel {
   DropLog drops_{"the control socket"};
 };
 
-// Local workers: a ZeroMQ ROUTER on a Unix socket, plus one descriptor channel per worker over
-// which tensors of kShmThreshold bytes or more travel as shared memory (segments from `pool`,
-// whose release acknowledgements ride in the framing).
-class LocalDriverChannel : public RouterDriverChannel {
+// Local workers: for each worker one Unix stream socket pair for the messages (a FrameStream,
+// written and read by the driver's thread itself: no I/O thread between it and the kernel) and one
+// descriptor channel over which tensors of kShmThreshold bytes or more travel as shared memory
+// (segments from the channel's pool, whose release acknowledgements ride in the framing). The
+// worker's ends of both are handed to it when it is spawned (take_worker_ends); nothing is bound
+// in the file system, so no other process can reach the channel.
+class LocalDriverChannel : public CallChannel {
  public:
-  // Binds ipc://`socket_path` (whose folder should be private to the run). `identities[i]` is
-  // peer i's. Throws TransportError naming the path when it cannot bind (for example a path
-  // longer than a Unix socket allows).
-  LocalDriverChannel(zmq::context_t& context, const std::filesystem::path& socket_path,
-                     std::vector<std::string> identities);
+  // The descriptors a local worker finds its ends on, and the endpoint that says so.
+  static constexpr int kShmFd = 3;
+  static constexpr int kControlFd = 4;
+
+  // `names[i]`: peer i's worker name (for errors). Throws TransportError when the socket pairs
+  // cannot be made.
+  explicit LocalDriverChannel(std::vector<std::string> names);
   ~LocalDriverChannel() override;
 
-  // The worker's end of peer's descriptor channel, for the launcher to hand to that worker
-  // (connect_local_worker's `shm`). Once per peer.
-  Fd take_worker_end(std::size_t peer);
-  // A new descriptor channel for peer (its worker was replaced): take_worker_end gives its end.
-  void renew_worker_end(std::size_t peer);
+  struct WorkerEnds {
+    Fd control;  // the worker's kControlFd
+    Fd shm;      // the worker's kShmFd
+  };
+  // The worker's ends of peer's channels, for the launcher to hand to that worker. Once per peer.
+  WorkerEnds take_worker_ends(std::size_t peer);
+  // New channels for peer (its worker was replaced): take_worker_ends gives their ends.
+  void renew_worker_ends(std::size_t peer);
 
+  // "fd:4": the worker's control channel is its descriptor kControlFd.
+  const std::string& endpoint() const override { return endpoint_; }
+  void send(std::size_t peer, const Message& m) override;
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override;
+  void forget_lost(std::size_t peer) override { events_.forget(peer); }
+  void wake() override { events_.wake(); }
+  bool flush(std::chrono::milliseconds timeout) override;
+  std::uint64_t dropped() const override { return drops_.count(); }
   EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
 
  private:
-  ShmChannel* shm_of(std::size_t peer) override { return shm_.at(peer).get(); }
+  struct Peer;
+  // A whole message already read from one of the peers, taken in turn; nullopt when none.
+  std::optional<ChannelEvent> take_read();
 
+  std::string endpoint_;
+  std::vector<std::string> names_;
   ShmPool pool_;  // before the channels, which point to it
-  std::vector<std::unique_ptr<ShmChannel>> shm_;
-  std::vector<Fd> worker_ends_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::size_t turn_ = 0;                // the peer take_read looks at first
+  std::optional<ChannelEvent> held_;    // a lost event taken, delivered once the sockets are read
+  std::vector<pollfd> polled_;         // scratch for next()
+  ChannelEvents events_;
+  DropLog drops_{"the control channel"};
 };
 
 // Remote workers: a ZeroMQ ROUTER on TCP, bound to `host` on an ephemeral port, with CURVE when
@@ -189,16 +238,13 @@ class TcpDriverChannel : public RouterDriverChannel {
   TcpDriverChannel(zmq::context_t& context, const std::string& host,
                    std::vector<std::string> identities, const SocketSecurity& security);
   EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
-
- private:
-  ShmChannel* shm_of(std::size_t) override { return nullptr; }
 };
 
-// A local worker's end: a DEALER with `identity` connected to `endpoint`, and its descriptor
-// channel `shm` (taken over; empty for none).
-std::unique_ptr<WorkerLink> connect_local_worker(zmq::context_t& context,
-                                                 const std::string& endpoint,
-                                                 const std::string& identity, Fd shm);
+// A local worker's end: its control stream `control` and descriptor channel `shm` (taken over;
+// empty for none). `on_lost` runs (on the worker's thread) when the driver's end is gone: the
+// driver died or closed it.
+std::unique_ptr<WorkerLink> connect_local_worker(Fd control, Fd shm,
+                                                 std::function<void(const std::string&)> on_lost);
 
 }  // namespace twinkle::transport
 

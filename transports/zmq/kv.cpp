@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
 #include "twinkle/errors.hpp"
 
@@ -18,6 +19,12 @@ namespace twinkle::transport {
 KvServer::KvServer(zmq::context_t& context, const std::string& endpoint,
                    const SocketSecurity& security)
     : endpoint_(endpoint), context_(context) {
+  if (endpoint.starts_with("ipc://") && endpoint.size() - 6 > kMaxSocketPath) {
+    throw TransportError(fmt::format(
+        "the rendezvous socket path {} is {} characters long, more than a Unix socket allows ({}); "
+        "set TMPDIR to a shorter folder",
+        endpoint.substr(6), endpoint.size() - 6, kMaxSocketPath));
+  }
   // Bind here so that a bad endpoint fails the caller, then serve on the thread.
   auto socket = std::make_shared<zmq::socket_t>(context_, zmq::socket_type::router);
   socket->set(zmq::sockopt::linger, 0);

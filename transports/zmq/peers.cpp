@@ -142,8 +142,8 @@ PeerChannel::PeerChannel(zmq::context_t& context, std::string identity,
 
 PeerChannel::~PeerChannel() = default;
 
-void PeerChannel::watch(zmq::socket_ref socket, std::function<void()> on_ready) {
-  watched_.emplace_back(socket, std::move(on_ready));
+void PeerChannel::watch(Waitable w, std::function<void()> on_ready) {
+  watched_.emplace_back(w, std::move(on_ready));
 }
 
 void PeerChannel::every(std::chrono::milliseconds interval, std::function<void()> tick) {
@@ -244,7 +244,7 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
     }
     items.clear();
     for (std::size_t peer : open_) items.push_back({sockets_[peer]->handle(), 0, ZMQ_POLLIN, 0});
-    for (auto& [socket, _] : watched_) items.push_back({socket.handle(), 0, ZMQ_POLLIN, 0});
+    for (auto& [w, _] : watched_) items.push_back({w.socket.handle(), w.fd, ZMQ_POLLIN, 0});
     items.push_back({nullptr, events_.fd(), ZMQ_POLLIN, 0});
     zmq::poll(items.data(), items.size(), std::chrono::milliseconds(left));
     if (items.back().revents & ZMQ_POLLIN) return events_.signalled();

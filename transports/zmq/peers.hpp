@@ -84,8 +84,8 @@ class PeerChannel : public CallChannel {
               std::vector<std::string> endpoints, SocketSecurity security);
   ~PeerChannel() override;
 
-  // While next() waits, `on_ready` runs whenever `socket` has input.
-  void watch(zmq::socket_ref socket, std::function<void()> on_ready);
+  // While next() waits, `on_ready` runs whenever `w` has input.
+  void watch(Waitable w, std::function<void()> on_ready);
   // While next() waits, `tick` runs every `interval`.
   void every(std::chrono::milliseconds interval, std::function<void()> tick);
 
@@ -116,7 +116,7 @@ class PeerChannel : public CallChannel {
   ShmPool pool_;                                         // before the channels that use it
   std::vector<std::unique_ptr<ShmChannel>> shm_;         // by peer, beside its socket
   std::vector<std::size_t> open_;                        // peers with a socket
-  std::vector<std::pair<zmq::socket_ref, std::function<void()>>> watched_;
+  std::vector<std::pair<Waitable, std::function<void()>>> watched_;
   std::chrono::milliseconds tick_interval_{0};
   std::function<void()> tick_;
   ChannelEvents events_;

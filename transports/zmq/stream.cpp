@@ -1,0 +1,222 @@
+#include "transports/zmq/stream.hpp"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "twinkle/errors.hpp"
+
+namespace twinkle::transport {
+
+namespace {
+
+constexpr std::uint64_t kMore = std::uint64_t{1} << 63;
+constexpr std::size_t kReadChunk = std::size_t{64} << 10;
+// The largest socket buffers a stream asks for: a driver's burst of pipelined calls fits without
+// waiting in the outbox. The kernel caps what an unprivileged process gets (net.core.wmem_max).
+constexpr int kSocketBuffer = 4 << 20;
+
+void put_u64(unsigned char* p, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+std::uint64_t get_u64(const char* c) {
+  const auto* p = reinterpret_cast<const unsigned char*>(c);
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= std::uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+bool gone(int err) { return err == EPIPE || err == ECONNRESET || err == ENOTCONN; }
+
+}  // namespace
+
+FrameStream::FrameStream(Fd socket) : socket_(std::move(socket)) {
+  const int flags = ::fcntl(socket_.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(socket_.get(), F_SETFL, flags | O_NONBLOCK) != 0)
+    throw TransportError(fmt::format("cannot make a stream socket non-blocking: {}",
+                                     std::strerror(errno)));
+  (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+  (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+}
+
+void FrameStream::send(Frames&& frames) {
+  if (closed_) throw TransportError("the other end of the stream is gone");
+  std::vector<unsigned char> heads(frames.size() * 8);
+  std::vector<iovec> iov;
+  iov.reserve(frames.size() * 2);
+  for (std::size_t i = 0; i < frames.size(); ++i) {
+    const std::uint64_t size = frames[i].size();
+    put_u64(heads.data() + 8 * i, size | (i + 1 < frames.size() ? kMore : 0));
+    iov.push_back({heads.data() + 8 * i, 8});
+    if (size > 0) iov.push_back({frames[i].data(), size});
+  }
+  std::size_t done = 0;  // iovecs written whole
+  if (!has_output()) {
+    while (done < iov.size()) {
+      msghdr msg{};
+      msg.msg_iov = iov.data() + done;
+      msg.msg_iovlen = std::min<std::size_t>(iov.size() - done, IOV_MAX);
+      const ssize_t n = ::sendmsg(socket_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        closed_ = true;
+        error_ = std::strerror(errno);
+        throw TransportError(gone(errno) ? "the other end of the stream is gone"
+                                         : "cannot write to the stream: " + error_);
+      }
+      std::size_t left = static_cast<std::size_t>(n);
+      while (left > 0 && left >= iov[done].iov_len) left -= iov[done++].iov_len;
+      if (left > 0) {  // part of one iovec: the rest of it starts the next write
+        iov[done].iov_base = static_cast<char*>(iov[done].iov_base) + left;
+        iov[done].iov_len -= left;
+        break;
+      }
+    }
+  }
+  // What the socket did not take waits, after what waited already.
+  for (std::size_t i = done; i < iov.size(); ++i) {
+    const char* p = static_cast<const char*>(iov[i].iov_base);
+    out_.insert(out_.end(), p, p + iov[i].iov_len);
+  }
+}
+
+bool FrameStream::flush() {
+  while (has_output()) {
+    const ssize_t n = ::send(socket_.get(), out_.data() + out_begin_, out_.size() - out_begin_,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      closed_ = true;
+      error_ = std::strerror(errno);
+      throw TransportError(gone(errno) ? "the other end of the stream is gone"
+                                       : "cannot write to the stream: " + error_);
+    }
+    out_begin_ += static_cast<std::size_t>(n);
+  }
+  if (!has_output()) {
+    out_.clear();
+    out_begin_ = 0;
+    return true;
+  }
+  if (out_begin_ > out_.size() / 2) {  // what was written goes, so that the outbox stays small
+    out_.erase(out_.begin(), out_.begin() + static_cast<std::ptrdiff_t>(out_begin_));
+    out_begin_ = 0;
+  }
+  return false;
+}
+
+bool FrameStream::flush_wait(std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  while (!flush()) {
+    long left = -1;
+    if (timeout.count() >= 0) {
+      left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return false;
+    }
+    pollfd p{socket_.get(), POLLOUT, 0};
+    if (::poll(&p, 1, static_cast<int>(left)) < 0 && errno != EINTR)
+      throw TransportError(fmt::format("cannot wait on a stream: {}", std::strerror(errno)));
+  }
+  return true;
+}
+
+std::optional<Frames> FrameStream::take() {
+  std::size_t pos = in_begin_;
+  std::size_t count = 0;
+  for (;;) {
+    if (in_end_ - pos < 8) {
+      want_ = pos - in_begin_ + 8;
+      return std::nullopt;
+    }
+    const std::uint64_t head = get_u64(in_.data() + pos);
+    const std::uint64_t size = head & ~kMore;
+    if (size > kMaxFrame) {
+      closed_ = true;
+      error_ = fmt::format("a frame of {} bytes (the framing is broken)", size);
+      in_begin_ = in_end_ = 0;
+      return std::nullopt;
+    }
+    if (in_end_ - pos - 8 < size) {
+      want_ = pos - in_begin_ + 8 + static_cast<std::size_t>(size);
+      return std::nullopt;
+    }
+    pos += 8 + static_cast<std::size_t>(size);
+    ++count;
+    if (!(head & kMore)) break;
+  }
+  Frames frames;
+  frames.reserve(count);
+  for (std::size_t p = in_begin_; p < pos;) {
+    const auto size = static_cast<std::size_t>(get_u64(in_.data() + p) & ~kMore);
+    frames.emplace_back(in_.data() + p + 8, size);
+    p += 8 + size;
+  }
+  in_begin_ = pos;
+  want_ = 0;
+  if (in_begin_ == in_end_) in_begin_ = in_end_ = 0;
+  return frames;
+}
+
+FrameStream::Read FrameStream::read() {
+  if (closed_) return Read::closed;
+  // Room for the message being read in one piece, and at least a chunk more.
+  const std::size_t have = in_end_ - in_begin_;
+  const std::size_t need = std::max(kReadChunk, want_ > have ? want_ - have : 0);
+  if (in_.size() - in_end_ < need) {
+    if (in_begin_ > 0) {
+      std::memmove(in_.data(), in_.data() + in_begin_, have);
+      in_begin_ = 0;
+      in_end_ = have;
+    }
+    if (in_.size() - in_end_ < need) in_.resize(std::max(in_.size() * 2, in_end_ + need));
+  }
+  const std::size_t room = in_.size() - in_end_;
+  for (;;) {
+    const ssize_t n = ::read(socket_.get(), in_.data() + in_end_, room);
+    if (n > 0) {
+      in_end_ += static_cast<std::size_t>(n);
+      drained_ = static_cast<std::size_t>(n) < room;
+      return Read::data;
+    }
+    if (n == 0) {
+      closed_ = true;
+      return Read::closed;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      drained_ = true;
+      return Read::empty;
+    }
+    closed_ = true;
+    if (!gone(errno)) error_ = std::strerror(errno);
+    return Read::closed;
+  }
+}
+
+std::optional<Frames> FrameStream::recv() {
+  for (;;) {
+    if (auto frames = take()) return frames;
+    if (closed_) return std::nullopt;
+    // The last read emptied the socket: nothing more until a poll says so (poll on a socket is
+    // level-triggered, so what came since is not missed).
+    if (drained_) {
+      drained_ = false;
+      return std::nullopt;
+    }
+    if (read() != Read::data) return std::nullopt;
+  }
+}
+
+}  // namespace twinkle::transport

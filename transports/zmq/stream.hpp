@@ -1,0 +1,73 @@
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "transports/zmq/message.hpp"
+#include "twinkle/fd.hpp"
+
+// The wire protocol's messages over a Unix stream socket (the socket pair between the driver and a
+// local worker, docs/ARCHITECTURE.md, Sockets): the frames of message.hpp, each preceded by its
+// length, written and read by the threads that use them. No I/O thread stands between the caller
+// and the kernel, which is what a ZeroMQ socket costs per message (two thread wake-ups a side).
+namespace twinkle::transport {
+
+// One end of the stream, non-blocking. On the wire every frame is a u64 (little endian): its
+// length in the low 63 bits and, in bit 63, whether another frame of the same message follows;
+// then its bytes. Used from one thread.
+class FrameStream {
+ public:
+  // Takes over `socket` (a SOCK_STREAM Unix socket) and makes it non-blocking. Throws
+  // TransportError when it cannot.
+  explicit FrameStream(Fd socket);
+  FrameStream(const FrameStream&) = delete;
+  FrameStream& operator=(const FrameStream&) = delete;
+
+  int fd() const { return socket_.get(); }
+
+  // Writes `frames` as far as the socket takes them now; the rest waits in the outbox for
+  // flush(), in order. Never blocks. Throws TransportError when the other end is gone.
+  void send(Frames&& frames);
+  // Writes what waits in the outbox as far as the socket takes it; true when it is empty. Throws
+  // TransportError when the other end is gone.
+  bool flush();
+  // flush() until the outbox is empty, waiting up to `timeout` (negative: no limit) for room;
+  // false when time ran out.
+  bool flush_wait(std::chrono::milliseconds timeout);
+  bool has_output() const { return out_begin_ < out_.size(); }
+
+  // The next whole message that was read already, without reading the socket.
+  std::optional<Frames> take();
+  enum class Read { data, empty, closed };
+  // One read of what the socket has. `data`: bytes came (take() may have a message now);
+  // `empty`: nothing was there; `closed`: the other end is gone and everything it sent was read.
+  // A stream that breaks the framing (a frame longer than kMaxFrame) is closed too: its bytes
+  // cannot be trusted past that point. `error()` says why.
+  Read read();
+  // take(), else read() and take() again, until a message or nothing more: the next message.
+  std::optional<Frames> recv();
+  bool closed() const { return closed_; }
+  // The last read left the socket empty.
+  bool drained() const { return drained_; }
+  // Why the stream closed ("" for the other end's close).
+  const std::string& error() const { return error_; }
+
+  // A frame longer than this is no frame of Twinkle's: the framing is broken.
+  static constexpr std::uint64_t kMaxFrame = std::uint64_t{1} << 40;
+
+ private:
+  Fd socket_;
+  std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
+  std::size_t in_begin_ = 0, in_end_ = 0;
+  std::size_t want_ = 0;  // bytes the message at in_begin_ needs in all (0: not known)
+  bool drained_ = false;  // the last read left the socket empty
+  std::vector<char> out_;  // [out_begin_, end) waits to be written
+  std::size_t out_begin_ = 0;
+  bool closed_ = false;
+  std::string error_;
+};
+
+}  // namespace twinkle::transport
