@@ -58,6 +58,10 @@ resume_matches() {
 
 # Starts ck.toml in the background (DRIVER_PID), stdout in $TMP/bg.out, stderr in $TMP/bg.err.
 start_bg() {
+  # The last run's output goes first: a wait for one of its lines must not find the old one
+  # before the new driver's shell truncated the file (a signal sent then found a driver that had
+  # not set up its signal handling yet).
+  rm -f "$TMP/bg.out" "$TMP/bg.err"
   env "$@" "$TWK" run --quiet "$TMP/ck.toml" >"$TMP/bg.out" 2>"$TMP/bg.err" &
   DRIVER_PID=$!
 }
