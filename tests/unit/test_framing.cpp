@@ -20,8 +20,8 @@
 #include "transports/fd.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
-#include "transports/zmq/stream.hpp"
 #include "transports/zmq/message.hpp"
+#include "transports/zmq/stream.hpp"
 #include "twinkle/errors.hpp"
 
 using namespace twinkle;
@@ -375,8 +375,9 @@ TEST_CASE("driver channel: tensors reach a local worker inline and in shared mem
   Tensor big(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});
   small.mutable_span<float>()[999] = 7;
   big.mutable_span<float>()[12345] = 9;
-  channel.send(0, Message{5, proto::Call{1, "m", "x.cpp:1",
-                                         encode(Value::list({Value(small), Value(big)})), {}}});
+  channel.send(
+      0, Message{5, proto::Call{
+                        1, "m", "x.cpp:1", encode(Value::list({Value(small), Value(big)})), {}}});
   auto m = link->recv(5s);
   REQUIRE(m);
   REQUIRE(m->get<proto::Call>());
@@ -506,8 +507,7 @@ TEST_CASE("frame stream: a stream whose framing breaks is closed and says why", 
   CHECK(reader.error() == fmt::format("a frame of {} bytes (the framing is broken)", size));
 }
 
-TEST_CASE("frame stream: a message in several frames arrives whole, split across reads",
-          "[zmq]") {
+TEST_CASE("frame stream: a message in several frames arrives whole, split across reads", "[zmq]") {
   auto pair = FdPair::stream("a test");
   FrameStream writer(std::move(pair.first)), reader(std::move(pair.second));
   Frames out;

@@ -252,7 +252,7 @@ RouterDriverChannel::~RouterDriverChannel() = default;
 
 // One local worker's channels: the driver's ends, and the worker's until it is spawned.
 struct LocalDriverChannel::Peer {
-  Peer(ShmPool* pool) {
+  explicit Peer(ShmPool* pool) {
     FdPair control = FdPair::stream("a worker's control channel");
     FdPair shm_pair = FdPair::seqpacket("a worker's shared-memory channel");
     stream = std::make_unique<FrameStream>(std::move(control.first));
@@ -290,8 +290,7 @@ void LocalDriverChannel::send(std::size_t peer, const Message& m) {
   }
 }
 
-void LocalDriverChannel::lost(std::size_t peer, std::string reason,
-                              std::vector<std::size_t> with) {
+void LocalDriverChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
   events_.lost(peer, std::move(reason), std::move(with));
 }
 
@@ -343,17 +342,17 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
   for (;;) {
     if (auto e = take_read()) return e;
     // Read what the last poll found, until each of those sockets is empty.
-    bool read = false;
+    bool got = false;
     for (auto& p : peers_) {
       if (!p->readable) continue;
       if (p->stream->read() == FrameStream::Read::data) {
-        read = true;
+        got = true;
         p->readable = !p->stream->drained();
       } else {
         p->readable = false;
       }
     }
-    if (read) continue;
+    if (got) continue;
     // What a peer sent comes before the news that it is lost: a lost worker's last answers
     // count (the loss of a worker whose group restarts fails only the calls it did not answer).
     // So a lost event is delivered only once a poll found no peer with more to read.
@@ -363,7 +362,8 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       left = 0;
     } else if (!forever) {
       left = std::max<long>(
-          0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+          0,
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
     }
     polled_.clear();
     for (auto& p : peers_) {

@@ -46,7 +46,7 @@ struct ChannelEvent {
 // FrameStream's socket).
 struct Waitable {
   Waitable(zmq::socket_ref s) : socket(s) {}  // NOLINT: a socket is the common case
-  Waitable(zmq::socket_t& s) : socket(s) {}    // NOLINT
+  Waitable(zmq::socket_t& s) : socket(s) {}   // NOLINT
   static Waitable descriptor(int fd) {
     Waitable w{zmq::socket_ref()};
     w.fd = fd;
@@ -223,9 +223,9 @@ class LocalDriverChannel : public CallChannel {
   std::vector<std::string> names_;
   ShmPool pool_;  // before the channels, which point to it
   std::vector<std::unique_ptr<Peer>> peers_;
-  std::size_t turn_ = 0;                // the peer take_read looks at first
-  std::optional<ChannelEvent> held_;    // a lost event taken, delivered once the sockets are read
-  std::vector<pollfd> polled_;         // scratch for next()
+  std::size_t turn_ = 0;              // the peer take_read looks at first
+  std::optional<ChannelEvent> held_;  // a lost event taken, delivered once the sockets are read
+  std::vector<pollfd> polled_;        // scratch for next()
   ChannelEvents events_;
   DropLog drops_{"the control channel"};
 };

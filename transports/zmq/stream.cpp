@@ -42,10 +42,17 @@ bool gone(int err) { return err == EPIPE || err == ECONNRESET || err == ENOTCONN
 FrameStream::FrameStream(Fd socket) : socket_(std::move(socket)) {
   const int flags = ::fcntl(socket_.get(), F_GETFL);
   if (flags < 0 || ::fcntl(socket_.get(), F_SETFL, flags | O_NONBLOCK) != 0)
-    throw TransportError(fmt::format("cannot make a stream socket non-blocking: {}",
-                                     std::strerror(errno)));
+    throw TransportError(
+        fmt::format("cannot make a stream socket non-blocking: {}", std::strerror(errno)));
   (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
   (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+}
+
+void FrameStream::write_failed(int err) {
+  closed_ = true;
+  error_ = std::strerror(err);
+  throw TransportError(gone(err) ? "the other end of the stream is gone"
+                                 : "cannot write to the stream: " + error_);
 }
 
 void FrameStream::send(Frames&& frames) {
@@ -69,10 +76,7 @@ void FrameStream::send(Frames&& frames) {
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        closed_ = true;
-        error_ = std::strerror(errno);
-        throw TransportError(gone(errno) ? "the other end of the stream is gone"
-                                         : "cannot write to the stream: " + error_);
+        write_failed(errno);
       }
       std::size_t left = static_cast<std::size_t>(n);
       while (left > 0 && left >= iov[done].iov_len) left -= iov[done++].iov_len;
@@ -97,10 +101,7 @@ bool FrameStream::flush() {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-      closed_ = true;
-      error_ = std::strerror(errno);
-      throw TransportError(gone(errno) ? "the other end of the stream is gone"
-                                       : "cannot write to the stream: " + error_);
+      write_failed(errno);
     }
     out_begin_ += static_cast<std::size_t>(n);
   }

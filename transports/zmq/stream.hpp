@@ -59,11 +59,14 @@ class FrameStream {
   static constexpr std::uint64_t kMaxFrame = std::uint64_t{1} << 40;
 
  private:
+  // A write failed with `err`: the stream is closed; throws TransportError.
+  [[noreturn]] void write_failed(int err);
+
   Fd socket_;
   std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
   std::size_t in_begin_ = 0, in_end_ = 0;
-  std::size_t want_ = 0;  // bytes the message at in_begin_ needs in all (0: not known)
-  bool drained_ = false;  // the last read left the socket empty
+  std::size_t want_ = 0;   // bytes the message at in_begin_ needs in all (0: not known)
+  bool drained_ = false;   // the last read left the socket empty
   std::vector<char> out_;  // [out_begin_, end) waits to be written
   std::size_t out_begin_ = 0;
   bool closed_ = false;
