@@ -148,6 +148,17 @@ TWINKLE_DRIVER(calls, twinkle::Driver& d) {
   figure("fanout_8_p50", percentile(fan, 0.5), "us");
 }
 
+// Only the pipelined figures, for profiling one phase: `twinkle run bench.toml --set
+// job.driver=pipelined` under perf.
+TWINKLE_DRIVER(pipelined, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto one = d.create<Bench>("one");
+  auto eight = d.create<Bench>("eight");
+  for (int i = 0; i < 500; ++i) one.call("noop").get();
+  figure("pipelined_1_worker", calls_per_second(one, 5 * n), "calls/s");
+  figure("pipelined_8_workers", calls_per_second(eight, n), "calls/s");
+}
+
 TWINKLE_DRIVER(dispatch, twinkle::Driver& d) {
   const std::int64_t mib = d.args()["dispatch_mib"].as<std::int64_t>();
   auto eight = d.create<Bench>("eight");

@@ -1,10 +1,6 @@
-#include <cstdio>
-#include <exception>
-
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
-#include "cli/exit_codes.hpp"
 #include "transports/zmq/protocol.hpp"
 #include "twinkle/plugin.h"
 #include "twinkle_config.h"
@@ -37,26 +33,6 @@ int main(int argc, char** argv) {
   twinkle::cli::setup_inspect(app, action);
   twinkle::cli::setup_jobs(app, action);
   twinkle::cli::setup_keygen(app, action);
-  twinkle::cli::setup_worker(app, action);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return twinkle::cli::kExitUsage;
-  }
-
-  try {
-    return action ? action() : twinkle::cli::kExitUsage;
-  } catch (const twinkle::Error& e) {
-    std::fflush(stdout);
-    fmt::print(stderr, "twinkle: {}\n", e.what());
-    return twinkle::cli::exit_code_for(e);
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    fmt::print(stderr, "twinkle: internal error: {}\n", e.what());
-    return twinkle::cli::kExitJobFailed;
-  }
+  return twinkle::cli::parse_and_run(app, argc, argv, action);
 }

@@ -296,6 +296,7 @@ int run_node_start(NodeStartOptions o) {
       ao.cache_dir = o.cache_dir.empty() ? core::cluster::twinkle_home() / "plugins"
                                          : std::filesystem::path(o.cache_dir);
       ao.exe = core::twinkle_binary();
+      ao.worker_exe = core::worker_binary(ao.exe);
       ao.run_as = run_as;
       ao.log = [](const std::string& l) { log_line("agent", l); };
       agent = std::make_unique<core::cluster::Agent>(std::move(ao));

@@ -13,7 +13,6 @@
 #include "core/cluster/slurm.hpp"
 #include "core/runtime/driver.hpp"
 #include "core/runtime/spawner.hpp"
-#include "core/runtime/worker.hpp"
 
 namespace twinkle::cli {
 
@@ -90,18 +89,6 @@ void setup_run(CLI::App& app, Action& action) {
                   "as job.launcher")
       ->check(CLI::IsMember({"slurm", "local"}));
   sub->callback([o, &action] { action = [o] { return run_run(*o); }; });
-}
-
-void setup_worker(CLI::App& app, Action& action) {
-  auto o = std::make_shared<core::WorkerOptions>();
-  auto* sub = app.add_subcommand("worker", "Internal: a worker process, started by `twinkle run`");
-  sub->group("");  // not listed in --help: never typed by hand
-  sub->add_option("--endpoint", o->endpoint, "The driver's control socket")->required();
-  sub->add_option("--plugin", o->plugin, "The plugin to load")->required();
-  sub->add_option("--run-dir", o->run_dir, "The run's private directory");
-  sub->add_option("--user", o->user, "The Unix account to run as (a node's --run-as)");
-  sub->callback(
-      [o, &action] { action = [o] { return core::run_worker(*o) ? kExitOk : kExitJobFailed; }; });
 }
 
 }  // namespace twinkle::cli

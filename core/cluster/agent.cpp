@@ -375,8 +375,7 @@ struct Agent::State {
         }
         ProcessSpec spec;
         spec.name = w.name;
-        spec.argv = {o.exe.string(), "worker",   "--endpoint",
-                     l.endpoint,     "--plugin", plugin.string()};
+        spec.argv = {o.worker_exe.string(), "--endpoint", l.endpoint, "--plugin", plugin.string()};
         if (account) spec.argv.insert(spec.argv.end(), {"--user", account->name});
         spec.env = std::move(env);
         const pid_t pid = j.spawner->spawn(std::move(spec));

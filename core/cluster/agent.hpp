@@ -24,10 +24,11 @@ struct AgentOptions {
   std::optional<int> gpus;                    // declared GPUs (default: discovered)
   std::optional<int> cpus;                    // declared CPUs (default: this process's)
   std::map<std::string, std::string> labels;  // what groups may select
-  std::string node_ip;              // the address peers reach this node on (default: the route's
-                                    // source address towards the head)
-  std::filesystem::path cache_dir;  // plugins by sha256
-  std::filesystem::path exe;        // the twinkle binary that runs workers
+  std::string node_ip;               // the address peers reach this node on (default: the route's
+                                     // source address towards the head)
+  std::filesystem::path cache_dir;   // plugins by sha256
+  std::filesystem::path exe;         // the twinkle binary that runs supervised drivers
+  std::filesystem::path worker_exe;  // the worker binary (worker_binary())
   // Which account each member's workers run as (docs/ARCHITECTURE.md, Isolation); it needs root
   // and a cluster with keys. Each account gets its own copy of its plugins in
   // cache_dir/accounts/ACCOUNT. Not enabled: every worker runs as this process.

@@ -1,8 +1,11 @@
 #include "core/runtime/driver.hpp"
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,6 +15,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
@@ -548,7 +552,7 @@ class JobRun : public HostOps {
     auto local = std::make_unique<transport::LocalDriverChannel>(identities);
     kv_ = std::make_unique<transport::KvServer>(zmq_, "ipc://" + run_dir_->socket("kv").string());
     LocalLaunchOptions lo;
-    lo.exe = twinkle_binary();
+    lo.exe = worker_binary(twinkle_binary());
     lo.plugin = job_.plugin_path;
     lo.run_dir = run_dir_->path();
     lo.log_dir = options_.log_dir;
@@ -646,12 +650,31 @@ class JobRun : public HostOps {
   // (d.stop_requested()): it has stop_grace_s to checkpoint and return. Another signal, or the
   // end of the grace, interrupts as any other signal does.
   void start_signal_thread() {
-    signal_thread_ = std::thread([this, set = stop_signals()] {
-      timespec tick{0, 50'000'000};
+    const sigset_t set = stop_signals();
+    // The stop signals are blocked in every thread (block_stop_signals): they are read here from
+    // a signalfd; stop_signal_thread() wakes the thread through an eventfd, at once.
+    Fd signals(::signalfd(-1, &set, SFD_CLOEXEC));
+    stop_wake_.reset(::eventfd(0, EFD_CLOEXEC));
+    if (!signals || !stop_wake_)
+      throw Error(fmt::format("cannot watch for stop signals: {}", std::strerror(errno)));
+    signal_thread_ = std::thread([this, signals = std::move(signals)] {
       std::optional<std::chrono::steady_clock::time_point> grace_end;
-      while (!stop_signals_) {
-        const int sig = sigtimedwait(&set, nullptr, &tick);
-        if (sig <= 0) {
+      for (;;) {
+        int timeout = -1;
+        if (grace_end) {
+          const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+              *grace_end - std::chrono::steady_clock::now());
+          timeout = static_cast<int>(std::max<std::int64_t>(0, left.count()));
+        }
+        pollfd fds[2] = {{signals.get(), POLLIN, 0}, {stop_wake_.get(), POLLIN, 0}};
+        if (::poll(fds, 2, timeout) < 0 && errno != EINTR) return;
+        if (fds[1].revents) return;  // stop_signal_thread()
+        int sig = 0;
+        signalfd_siginfo info{};
+        if ((fds[0].revents & POLLIN) &&
+            ::read(signals.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info))
+          sig = static_cast<int>(info.ssi_signo);
+        if (sig == 0) {
           if (grace_end && std::chrono::steady_clock::now() >= *grace_end && !has_returned()) {
             grace_end.reset();
             std::fprintf(stderr,
@@ -720,7 +743,8 @@ class JobRun : public HostOps {
   void stop_signal_thread() {
     if (!signal_thread_.joinable()) return;
     driver_returned();
-    stop_signals_ = true;
+    const std::uint64_t one = 1;
+    (void)!::write(stop_wake_.get(), &one, sizeof one);
     signal_thread_.join();
   }
 
@@ -981,7 +1005,7 @@ class JobRun : public HostOps {
   std::unique_ptr<CallTable> table_;
   std::unique_ptr<Launcher> launcher_;
   std::thread signal_thread_;
-  std::atomic<bool> stop_signals_{false};
+  Fd stop_wake_;  // wakes the signal thread to end
   std::atomic<int> signal_{0};
   // Checkpoints and stopping on request.
   std::optional<checkpoint::Found> resume_;  // the checkpoint this run started from

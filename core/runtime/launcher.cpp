@@ -44,14 +44,8 @@ void LocalLauncher::start(const std::vector<WorkerLaunch>& workers) {
 pid_t LocalLauncher::spawn(std::size_t peer, std::vector<std::string> env) {
   ProcessSpec spec;
   spec.name = names_[peer];
-  spec.argv = {options_.exe.string(),
-               "worker",
-               "--endpoint",
-               channel_.endpoint(),
-               "--plugin",
-               options_.plugin.string(),
-               "--run-dir",
-               options_.run_dir.string()};
+  spec.argv = {options_.exe.string(),    "--endpoint", channel_.endpoint(),      "--plugin",
+               options_.plugin.string(), "--run-dir",  options_.run_dir.string()};
   spec.env = std::move(env);
   // The worker sets its parent-death signal itself and checks that its parent is still this
   // process (posix_spawn cannot set it).

@@ -93,7 +93,7 @@ class RemoteSite {
 };
 
 struct LocalLaunchOptions {
-  std::filesystem::path exe;                     // the twinkle binary
+  std::filesystem::path exe;                     // the worker binary (worker_binary())
   std::filesystem::path plugin;                  // what workers load
   std::filesystem::path run_dir;                 // removed by workers if the driver dies
   std::optional<std::filesystem::path> log_dir;  // one log file per worker

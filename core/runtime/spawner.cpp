@@ -29,6 +29,16 @@ std::filesystem::path twinkle_binary() {
   return p;
 }
 
+std::filesystem::path worker_binary(const std::filesystem::path& twinkle) {
+  auto p = twinkle.parent_path() / "twinkle-worker";
+  if (::access(p.c_str(), X_OK) != 0)
+    throw Error(fmt::format(
+        "cannot run the worker binary {}: {} (twinkle-worker is installed beside twinkle; "
+        "install both from the same build)",
+        p.string(), std::strerror(errno)));
+  return p;
+}
+
 std::string ProcessExit::describe() const {
   if (signal) return fmt::format("was killed by signal {} ({})", signal, strsignal(signal));
   return fmt::format("exited with code {}", exit_code);

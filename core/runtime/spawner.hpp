@@ -26,6 +26,11 @@ using transport::FdPair;
 // when it cannot be found.
 std::filesystem::path twinkle_binary();
 
+// The worker binary, `twinkle-worker` beside `twinkle` (docs/ARCHITECTURE.md, Processes): what
+// the local launcher and node agents start for each rank. Throws Error naming the path when it is
+// not there or cannot be run.
+std::filesystem::path worker_binary(const std::filesystem::path& twinkle);
+
 // One process to start.
 struct ProcessSpec {
   std::string name;               // "model:3": the prefix of its output lines and its log file

@@ -213,6 +213,8 @@ CMAKE
     # Where `meson install` puts the completion and the systemd units: where bash-completion and
     # systemd look for them under this prefix, naming the installed binary and settings file.
     stage_install "$4"
+    # The worker binary beside twinkle, where the launcher and node agents look for it.
+    [ -x "$TMP/dest$BINDIR/twinkle-worker" ] || fail "twinkle-worker is not installed in $BINDIR: $(ls "$TMP/dest$BINDIR")"
     comp=$TMP/dest$DATADIR/bash-completion/completions/twinkle
     [ -f "$comp" ] || fail "no completion in $DATADIR/bash-completion/completions: $(find "$TMP/dest" -path '*completion*')"
     bash -c 'source "$1" && complete -p twinkle' _ "$comp" >"$TMP/out" 2>&1 || fail "the installed completion does not load: $(cat "$TMP/out")"

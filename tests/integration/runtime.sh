@@ -539,6 +539,11 @@ PY
     expect_err "the job has no group \"nosuchgroup\" (it has: a, b)"
     expect_err "[twinkle driver caller: runtime_plugin.cpp:"
     run 2 "$TWK" run --set job.sed=1 "$TMP/job.toml"
+    # A twinkle without its worker binary beside it: refused before any worker starts, naming
+    # the missing file and the fix.
+    mkdir -p "$TMP/lonely" && cp "$TWK" "$TMP/lonely/twinkle"
+    run 1 "$TMP/lonely/twinkle" run --set job.driver=env "$TMP/job.toml"
+    expect_err "cannot run the worker binary $TMP/lonely/twinkle-worker: No such file or directory (twinkle-worker is installed beside twinkle"
     expect_clean
     ;;
   intruder)
@@ -552,7 +557,7 @@ PY
       fail "the run folder has more than the rendezvous and serve sockets: $(ls "$rundir")"
     for endpoint in "ipc://$rundir/ctl" "fd:4" "fd:99"; do
       rc=0
-      TWINKLE_WORKER_NAME=a:0 "$TWK" worker --endpoint "$endpoint" --plugin "$PLUGIN" \
+      TWINKLE_WORKER_NAME=a:0 "$(dirname "$TWK")/twinkle-worker" --endpoint "$endpoint" --plugin "$PLUGIN" \
         --run-dir "$rundir" >"$TMP/intruder.out" 2>&1 4<&- || rc=$?
       [ "$rc" -eq 2 ] || { cat "$TMP/intruder.out"; fail "a worker started by hand on $endpoint exited $rc, expected 2"; }
       grep -qF -- "--endpoint $endpoint: not a control channel this worker has" "$TMP/intruder.out" ||
