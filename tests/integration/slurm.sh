@@ -281,11 +281,11 @@ TOML
     # An agent on every node, and workers on every node (group a is strict_spread over them).
     for n in "${SLURM_NODE_NAMES[@]}"; do
       on_node=$(on_node_pids "$n")
-      for what in 'node start --address' 'worker --endpoint'; do
+      for what in "$TWK node start --address" "$(dirname "$TWK")/twinkle-worker --endpoint"; do
         for p in $on_node; do
-          [[ $(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline") == "$TWK $what"* ]] && continue 2
+          [[ $(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline") == "$what"* ]] && continue 2
         done
-        cat "$out"; fail "no '$TWK $what' process on $n before scancel"
+        cat "$out"; fail "no '$what' process on $n before scancel"
       done
     done
     t=$(now)

@@ -283,9 +283,14 @@ void LocalDriverChannel::renew_worker_ends(std::size_t peer) {
 
 void LocalDriverChannel::send(std::size_t peer, const Message& m) {
   Peer& p = *peers_.at(peer);
+  // A worker whose end is gone has died (a worker whose link breaks exits): the launcher
+  // reports its loss, which fails or restarts what was sent to it, naming how it ended. What it
+  // is sent meanwhile goes nowhere, and is not the run's error.
+  if (p.stream->peer_gone()) return;
   try {
     p.stream->send(encode_message(m, p.shm.get()));
   } catch (const TransportError& e) {
+    if (p.stream->peer_gone()) return;
     throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
 }

@@ -108,7 +108,9 @@ class CallChannel {
 
   // What workers connect to (a PeerChannel, which only connects: the worker's name).
   virtual const std::string& endpoint() const = 0;
-  // Queues `m` for `peer`. Throws TransportError when the peer is unreachable.
+  // Queues `m` for `peer`. Throws TransportError when the peer is unreachable; a local worker
+  // whose end of the stream is gone has died, and what it is sent is dropped (its loss comes
+  // through lost(), from its launcher).
   virtual void send(std::size_t peer, const Message& m) = 0;
   // The next event, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
   virtual std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) = 0;

@@ -49,14 +49,19 @@ FrameStream::FrameStream(Fd socket) : socket_(std::move(socket)) {
 }
 
 void FrameStream::write_failed(int err) {
+  out_.clear();
+  out_begin_ = 0;
+  if (gone(err)) {
+    write_gone_ = true;
+    throw TransportError("the other end of the stream is gone");
+  }
   closed_ = true;
   error_ = std::strerror(err);
-  throw TransportError(gone(err) ? "the other end of the stream is gone"
-                                 : "cannot write to the stream: " + error_);
+  throw TransportError("cannot write to the stream: " + error_);
 }
 
 void FrameStream::send(Frames&& frames) {
-  if (closed_) throw TransportError("the other end of the stream is gone");
+  if (closed_ || write_gone_) throw TransportError("the other end of the stream is gone");
   std::vector<unsigned char> heads(frames.size() * 8);
   std::vector<iovec> iov;
   iov.reserve(frames.size() * 2);

@@ -29,7 +29,8 @@ class FrameStream {
   int fd() const { return socket_.get(); }
 
   // Writes `frames` as far as the socket takes them now; the rest waits in the outbox for
-  // flush(), in order. Never blocks. Throws TransportError when the other end is gone.
+  // flush(), in order. Never blocks. Throws TransportError when the other end is gone (then
+  // peer_gone()); what it sent before is still read, up to its end.
   void send(Frames&& frames);
   // Writes what waits in the outbox as far as the socket takes it; true when it is empty. Throws
   // TransportError when the other end is gone.
@@ -50,6 +51,9 @@ class FrameStream {
   // take(), else read() and take() again, until a message or nothing more: the next message.
   std::optional<Frames> recv();
   bool closed() const { return closed_; }
+  // The other end is gone (a write found it so, or a read reached its end), as opposed to a
+  // stream closed for an error of its own (error()).
+  bool peer_gone() const { return write_gone_ || (closed_ && error_.empty()); }
   // The last read left the socket empty.
   bool drained() const { return drained_; }
   // Why the stream closed ("" for the other end's close).
@@ -59,7 +63,8 @@ class FrameStream {
   static constexpr std::uint64_t kMaxFrame = std::uint64_t{1} << 40;
 
  private:
-  // A write failed with `err`: the stream is closed; throws TransportError.
+  // A write failed with `err`: nothing more is written; the stream is closed unless the other
+  // end is only gone (its last bytes are still read). Throws TransportError.
   [[noreturn]] void write_failed(int err);
 
   Fd socket_;
@@ -70,6 +75,7 @@ class FrameStream {
   std::vector<char> out_;  // [out_begin_, end) waits to be written
   std::size_t out_begin_ = 0;
   bool closed_ = false;
+  bool write_gone_ = false;  // a write found the other end gone: reads go on to its end
   std::string error_;
 };
 
