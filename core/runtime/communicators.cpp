@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/runtime/host_abi.hpp"
 #include "transports/gloo/communicator.hpp"
 #include "transports/nccl/communicator.hpp"
 #include "transports/shm/communicator.hpp"
@@ -111,6 +112,87 @@ transport::Communicator& Communicators::get(const std::string& dim) {
     }
   }
   return *comms_.emplace(dim, std::move(c)).first->second;
+}
+
+std::int32_t Communicators::run(const char* dim_c, twk_sink_v1* err, const char* op,
+                                const std::function<void(transport::Communicator&)>& f) {
+  const std::string dim = dim_c ? dim_c : "";
+  try {
+    f(get(dim));
+    return TWK_OK;
+  } catch (const std::exception& e) {
+    const std::string msg =
+        is_cross(dim) ? fmt::format("{} communicator {} failed on {}:{}: {}",
+                                    std::string_view(op) == "communicator" ? "joining" : op, dim,
+                                    setup_.group, setup_.rank, e.what())
+                      : fmt::format("{} over group {}{} failed on rank {}: {}", op, setup_.group,
+                                    dim.empty() ? "" : " (dim " + dim + ")", setup_.rank, e.what());
+    if (err && err->set_error) err->set_error(err->target, msg.c_str());
+    return TWK_ERROR;
+  }
+}
+
+namespace {
+
+DType checked_dtype(std::int32_t d) {
+  if (!dtype_known(d)) throw ValueError("unknown dtype " + std::to_string(d));
+  return static_cast<DType>(d);
+}
+
+transport::ReduceOp checked_op(std::int32_t op) {
+  if (op < TWK_REDUCE_SUM || op > TWK_REDUCE_MIN)
+    throw ValueError("unknown reduce op " + std::to_string(op));
+  return static_cast<transport::ReduceOp>(op);
+}
+
+std::int32_t collective(void* host_ctx, const char* dim, twk_sink_v1* err, const char* op,
+                        const std::function<void(transport::Communicator&)>& f) {
+  Communicators* comms = static_cast<HostOps*>(host_ctx)->communicators();
+  if (!comms) {
+    const std::string msg = fmt::format("{}: collectives run in worker methods only", op);
+    if (err && err->set_error) err->set_error(err->target, msg.c_str());
+    return TWK_ERROR;
+  }
+  return comms->run(dim, err, op, f);
+}
+
+}  // namespace
+
+void set_collectives(twk_host_v1& host) {
+  host.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size,
+                      twk_sink_v1* err) {
+    return collective(w, dim, err, "communicator", [&](transport::Communicator& c) {
+      *rank = c.rank();
+      *size = c.size();
+    });
+  };
+  host.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count,
+                       std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
+    return collective(w, dim, err, "all_reduce", [&](transport::Communicator& c) {
+      c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
+    });
+  };
+  host.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count, std::int32_t dtype,
+                      std::int32_t root, twk_sink_v1* err) {
+    return collective(w, dim, err, "broadcast", [&](transport::Communicator& c) {
+      c.broadcast(data, count, checked_dtype(dtype), root);
+    });
+  };
+  host.all_gather = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
+                       std::int32_t dtype, twk_sink_v1* err) {
+    return collective(w, dim, err, "all_gather", [&](transport::Communicator& c) {
+      c.all_gather(in, out, count, checked_dtype(dtype));
+    });
+  };
+  host.reduce_scatter = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
+                           std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
+    return collective(w, dim, err, "reduce_scatter", [&](transport::Communicator& c) {
+      c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
+    });
+  };
+  host.barrier = [](void* w, const char* dim, twk_sink_v1* err) {
+    return collective(w, dim, err, "barrier", [](transport::Communicator& c) { c.barrier(); });
+  };
 }
 
 }  // namespace twinkle::core

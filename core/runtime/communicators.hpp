@@ -1,6 +1,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,6 +15,7 @@
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/kv.hpp"
 #include "transports/zmq/protocol.hpp"
+#include "twinkle/plugin.h"
 
 // A worker's communicators (docs/ARCHITECTURE.md, Collectives): the group's, one per mesh
 // dimension, and those across groups that the driver declared. Used from the worker's thread.
@@ -54,6 +57,12 @@ class Communicators {
   // TransportError when the members do not meet.
   transport::Communicator& get(const std::string& dim);
 
+  // Runs collective `op` ("all_reduce", ..., "communicator" for comm_info) with `f` on the
+  // communicator of `dim`: TWK_OK, or TWK_ERROR with a message in `err` that names the
+  // collective, the group (or the communicator across groups) and this worker's rank.
+  std::int32_t run(const char* dim, twk_sink_v1* err, const char* op,
+                   const std::function<void(transport::Communicator&)>& f);
+
   // Destroys every communicator (shutdown).
   void clear() {
     comms_.clear();
@@ -91,5 +100,10 @@ class Communicators {
   std::map<std::string, int> made_at_;  // communicators across groups made: at which generation
   std::vector<std::unique_ptr<transport::Communicator>> stale_;  // of earlier generations
 };
+
+// Fills the collectives of a worker's host table (comm_info, all_reduce, broadcast, all_gather,
+// reduce_scatter, barrier): each runs through Communicators::run of its host context's
+// HostOps::communicators(), checking the dtype and reduce op the plugin passed.
+void set_collectives(twk_host_v1& host);
 
 }  // namespace twinkle::core

@@ -15,6 +15,8 @@
 // driver's host table) and how their C calls reach C++.
 namespace twinkle::core {
 
+class Communicators;
+
 // What a plugin function wrote to the sink it was given. `adopt` turns the plugin's value into
 // ours (it must be copied out of the plugin's memory); by default a plain decode.
 struct SinkCapture {
@@ -77,6 +79,9 @@ class HostOps {
   virtual bool checkpoint(std::int64_t step, const Value& meta);
   virtual Value resumed();
   virtual bool stop_requested() { return false; }
+  // A worker's communicators, which the host table's collectives run on (set_collectives);
+  // null where there are none (the driver, a worker before its welcome).
+  virtual Communicators* communicators() { return nullptr; }
 };
 
 // The host table's log, create, call, wait, release, comm_create and attach; its host context

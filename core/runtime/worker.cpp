@@ -170,45 +170,11 @@ class Worker : public HostOps {
                                               Fd(shm_fd ? std::atoi(shm_fd) : -1),
                                               [](const std::string&) { on_driver_death(SIGHUP); });
     }
-    // create/call/wait/release/attach as in a driver entry (HostOps); the collectives below.
+    // create/call/wait/release/attach as in a driver entry (HostOps); the collectives on this
+    // worker's communicators (communicators()).
     host_ = host_table();
     host_.log = &log_line;
-    host_.comm_info = [](void* w, const char* dim, std::int32_t* rank, std::int32_t* size,
-                         twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "communicator", [&](transport::Communicator& c) {
-        *rank = c.rank();
-        *size = c.size();
-      });
-    };
-    host_.all_reduce = [](void* w, const char* dim, void* data, std::uint64_t count,
-                          std::int32_t dtype, std::int32_t op, twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "all_reduce", [&](transport::Communicator& c) {
-        c.all_reduce(data, count, checked_dtype(dtype), checked_op(op));
-      });
-    };
-    host_.broadcast = [](void* w, const char* dim, void* data, std::uint64_t count,
-                         std::int32_t dtype, std::int32_t root, twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "broadcast", [&](transport::Communicator& c) {
-        c.broadcast(data, count, checked_dtype(dtype), root);
-      });
-    };
-    host_.all_gather = [](void* w, const char* dim, const void* in, void* out, std::uint64_t count,
-                          std::int32_t dtype, twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "all_gather", [&](transport::Communicator& c) {
-        c.all_gather(in, out, count, checked_dtype(dtype));
-      });
-    };
-    host_.reduce_scatter = [](void* w, const char* dim, const void* in, void* out,
-                              std::uint64_t count, std::int32_t dtype, std::int32_t op,
-                              twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "reduce_scatter", [&](transport::Communicator& c) {
-        c.reduce_scatter(in, out, count, checked_dtype(dtype), checked_op(op));
-      });
-    };
-    host_.barrier = [](void* w, const char* dim, twk_sink_v1* err) {
-      return self(w)->collective(dim, err, "barrier",
-                                 [&](transport::Communicator& c) { c.barrier(); });
-    };
+    set_collectives(host_);
   }
 
   bool run() {
@@ -317,6 +283,8 @@ class Worker : public HostOps {
     table_->attach(instance, cls, known_group(group, "handle of " + std::string(cls_name)));
   }
 
+  Communicators* communicators() override { return comms_.get(); }
+
  private:
   struct Instance {
     const plugins::ClassInfo* cls;
@@ -329,10 +297,6 @@ class Worker : public HostOps {
     std::string from;
     Message message;
   };
-
-  static Worker* self(void* host_ctx) {
-    return static_cast<Worker*>(static_cast<HostOps*>(host_ctx));
-  }
 
   // Local workers serve on a Unix socket in the run folder; remote ones on TCP at their node's
   // address, with the run's keys when the cluster uses keys.
@@ -576,35 +540,6 @@ class Worker : public HostOps {
   template <class F>
   void execute(const Message& m, const std::string& from, F&& f) {
     calls_->run(chain_of(m), from.empty(), request_what(m), caller_of(m), std::forward<F>(f));
-  }
-
-  static DType checked_dtype(std::int32_t d) {
-    if (!dtype_known(d)) throw ValueError("unknown dtype " + std::to_string(d));
-    return static_cast<DType>(d);
-  }
-  static transport::ReduceOp checked_op(std::int32_t op) {
-    if (op < TWK_REDUCE_SUM || op > TWK_REDUCE_MIN)
-      throw ValueError("unknown reduce op " + std::to_string(op));
-    return static_cast<transport::ReduceOp>(op);
-  }
-
-  template <class F>
-  std::int32_t collective(const char* dim_c, twk_sink_v1* err, const char* op, F&& f) {
-    const std::string dim = dim_c ? dim_c : "";
-    try {
-      f(comms_->get(dim));
-      return TWK_OK;
-    } catch (const std::exception& e) {
-      const std::string msg =
-          comms_->is_cross(dim)
-              ? fmt::format("{} communicator {} failed on {}:{}: {}",
-                            std::string_view(op) == "communicator" ? "joining" : op, dim, group_,
-                            rank_, e.what())
-              : fmt::format("{} over group {}{} failed on rank {}: {}", op, group_,
-                            dim.empty() ? "" : " (dim " + dim + ")", rank_, e.what());
-      if (err && err->set_error) err->set_error(err->target, msg.c_str());
-      return TWK_ERROR;
-    }
   }
 
   twk_context_v1 context() const {

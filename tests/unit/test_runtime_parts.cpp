@@ -16,9 +16,12 @@
 
 #include "core/job/job.hpp"
 #include "core/job/values.hpp"
+#include "core/runtime/communicators.hpp"
 #include "core/runtime/failure_report.hpp"
+#include "core/runtime/host_abi.hpp"
 #include "core/runtime/run_dir.hpp"
 #include "tests/unit/fixtures.hpp"
+#include "transports/zmq/kv.hpp"
 #include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
@@ -366,4 +369,72 @@ TEST_CASE("Fd: release gives ownership up without closing", "[fd]") {
   }
   CHECK(is_open(raw));
   Fd owner(raw);  // the test's own, closed at the end
+}
+
+namespace {
+
+// The host operations of a worker as far as its collectives need them: its communicators.
+struct CollectiveOps : HostOps {
+  Communicators* comms = nullptr;
+  Communicators* communicators() override { return comms; }
+  void log(std::int32_t, std::string_view) override {}
+  std::uint64_t create(std::string_view, std::string_view, const twk_value_v1&) override {
+    throw twinkle::Error("not in this test");
+  }
+  std::uint64_t call(std::uint64_t, std::string_view, const twk_value_v1&,
+                     const std::string&) override {
+    throw twinkle::Error("not in this test");
+  }
+  twinkle::EncodedValue wait(std::uint64_t) override { throw twinkle::Error("not in this test"); }
+  void release(std::uint64_t) noexcept override {}
+  void comm_create(std::string_view, const Value&, double) override {}
+  void attach(std::string_view, std::string_view, std::uint64_t) override {}
+};
+
+}  // namespace
+
+TEST_CASE(
+    "worker collectives: checked arguments, and errors that name the collective, the "
+    "group and the rank",
+    "[runtime]") {
+  TempDir dir;
+  zmq::context_t context;
+  twinkle::transport::KvServer kv(context, "ipc://" + (dir.path / "kv").string());
+  CommunicatorSetup setup;
+  setup.group = "model";
+  setup.device = "cpu";
+  setup.collectives = "shm";
+  setup.timeout = std::chrono::seconds(10);
+  setup.kv_endpoint = kv.endpoint();
+  Communicators comms(context, setup);
+  CollectiveOps ops;
+  ops.comms = &comms;
+  void* ctx = static_cast<HostOps*>(&ops);
+  twk_host_v1 host{};
+  set_collectives(host);
+  float x = 2;
+  SinkCapture err;
+  twk_sink_v1 sink = err.sink();
+
+  // A group of one: the sum is the value; the rank and size are the group's.
+  CHECK(host.all_reduce(ctx, "", &x, 1, TWK_DTYPE_F32, TWK_REDUCE_SUM, &sink) == TWK_OK);
+  CHECK(x == 2);
+  std::int32_t rank = -1, size = -1;
+  CHECK(host.comm_info(ctx, "", &rank, &size, &sink) == TWK_OK);
+  CHECK((rank == 0 && size == 1));
+  CHECK_FALSE(err.error);
+
+  CHECK(host.all_reduce(ctx, "", &x, 1, 99, TWK_REDUCE_SUM, &sink) == TWK_ERROR);
+  CHECK(err.error == "all_reduce over group model failed on rank 0: unknown dtype 99");
+  CHECK(host.all_reduce(ctx, "", &x, 1, TWK_DTYPE_F32, 42, &sink) == TWK_ERROR);
+  CHECK(err.error == "all_reduce over group model failed on rank 0: unknown reduce op 42");
+  CHECK(host.barrier(ctx, "nope", &sink) == TWK_ERROR);
+  REQUIRE(err.error);
+  CHECK_THAT(*err.error, Catch::StartsWith("barrier over group model (dim nope) failed on rank 0: "
+                                           "no mesh dimension \"nope\""));
+
+  // Before the worker has communicators (before its welcome): an error, not a crash.
+  ops.comms = nullptr;
+  CHECK(host.broadcast(ctx, "", &x, 1, TWK_DTYPE_F32, 0, &sink) == TWK_ERROR);
+  CHECK(err.error == "broadcast: collectives run in worker methods only");
 }
