@@ -1,28 +1,21 @@
 #include "core/runtime/driver.hpp"
 
 #include <netinet/in.h>
-#include <poll.h>
-#include <pthread.h>
 #include <signal.h>
-#include <sys/eventfd.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <set>
-#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -40,6 +33,7 @@
 #include "core/runtime/launcher.hpp"
 #include "core/runtime/notify.hpp"
 #include "core/runtime/run_dir.hpp"
+#include "core/runtime/stop_signals.hpp"
 #include "core/runtime/worker_env.hpp"
 #include "plugins/loader.hpp"
 #include "transports/zmq/auth.hpp"
@@ -90,22 +84,12 @@ std::vector<int> free_ports(std::size_t n) {
   return ports;
 }
 
-const char* signal_name(int sig) {
-  switch (sig) {
-    case SIGINT: return "SIGINT";
-    case SIGTERM: return "SIGTERM";
-    case SIGHUP: return "SIGHUP";
-    case SIGUSR1: return "SIGUSR1";
-  }
-  return "a signal";
-}
-
 class JobRun : public HostOps {
  public:
   explicit JobRun(const RunOptions& o) : options_(o) {}
   // The stop signals stay blocked: a second Ctrl-C while `twinkle` exits must not turn a clean
   // exit code into a death by signal.
-  ~JobRun() override { stop_signal_thread(); }
+  ~JobRun() override { signals_.stop(); }
 
   // run(), and the cluster (remote mode) hears how it ended, for its history.
   RunResult run_and_tell() {
@@ -127,7 +111,7 @@ class JobRun : public HostOps {
     // Before any thread exists (ZeroMQ's, the spawner's), so that every thread blocks them and
     // only the signal thread takes them: a signal delivered to another thread would run the
     // default action, or vanish where the shell ignores SIGINT for background jobs.
-    block_stop_signals();
+    StopSignals::block();
     job_ = load_job(options_.job_file, options_.overrides);
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
@@ -152,7 +136,7 @@ class JobRun : public HostOps {
     }
     std::string error;
     const bool ok = run_entry(&error);
-    driver_returned();
+    signals_.entry_returned();
     return finish(ok, error);
   }
 
@@ -249,7 +233,7 @@ class JobRun : public HostOps {
     return Value::map({{"step", resume_->manifest.step}, {"meta", resume_->manifest.meta}});
   }
 
-  bool stop_requested() override { return stop_requested_.load(); }
+  bool stop_requested() override { return signals_.stop_requested(); }
 
   void attach(std::string_view cls_name, std::string_view group, std::uint64_t instance) override {
     const plugins::ClassInfo* cls = plugin_->find_class(cls_name);
@@ -577,11 +561,8 @@ class JobRun : public HostOps {
   // Waits up to `d` for a stop signal (they are blocked: nothing else takes them before the
   // signal thread starts); true when one came.
   bool stop_signal_within(std::chrono::milliseconds d) {
-    const sigset_t set = stop_signals();
-    timespec t{static_cast<time_t>(d.count() / 1000),
-               static_cast<long>(d.count() % 1000) * 1000000};
-    const int sig = sigtimedwait(&set, nullptr, &t);
-    if (sig <= 0) return false;
+    const int sig = StopSignals::wait(d);
+    if (sig == 0) return false;
     signal_ = sig;
     return true;
   }
@@ -628,84 +609,18 @@ class JobRun : public HostOps {
     return out;
   }
 
-  // ----- signals ----------------------------------------------------------------------------
+  // ----- signals (StopSignals) ---------------------------------------------------------------
 
-  // SIGINT, SIGTERM and SIGHUP go to one thread. It stops the workers at once and cancels the
-  // call table, so that the driver entry's waits fail and it returns through the normal path.
-  // Only a driver entry stuck in its own code for kInterruptGrace is left behind: then the
-  // thread cleans up what it can and exits (the last resort).
-  static sigset_t stop_signals() {
-    sigset_t set;
-    sigemptyset(&set);
-    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaddset(&set, s);
-    return set;
-  }
-
-  void block_stop_signals() {
-    const sigset_t set = stop_signals();
-    pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  }
-
-  // With a checkpoint_dir, SIGTERM and SIGUSR1 first only ask the driver entry to stop
-  // (d.stop_requested()): it has stop_grace_s to checkpoint and return. Another signal, or the
-  // end of the grace, interrupts as any other signal does.
+  // SIGINT, SIGTERM and SIGHUP (and SIGUSR1 without a checkpoint_dir): the workers stop at once
+  // and the call table is cancelled, so that the driver entry's waits fail and it returns through
+  // the normal path. Only a driver entry stuck in its own code for kInterruptGrace is left
+  // behind: then the signal thread cleans up what it can and exits (the last resort).
   void start_signal_thread() {
-    const sigset_t set = stop_signals();
-    // The stop signals are blocked in every thread (block_stop_signals): they are read here from
-    // a signalfd; stop_signal_thread() wakes the thread through an eventfd, at once.
-    Fd signals(::signalfd(-1, &set, SFD_CLOEXEC));
-    stop_wake_.reset(::eventfd(0, EFD_CLOEXEC));
-    if (!signals || !stop_wake_)
-      throw Error(fmt::format("cannot watch for stop signals: {}", std::strerror(errno)));
-    signal_thread_ = std::thread([this, signals = std::move(signals)] {
-      std::optional<std::chrono::steady_clock::time_point> grace_end;
-      for (;;) {
-        int timeout = -1;
-        if (grace_end) {
-          const auto left = std::chrono::ceil<std::chrono::milliseconds>(
-              *grace_end - std::chrono::steady_clock::now());
-          timeout = static_cast<int>(std::max<std::int64_t>(0, left.count()));
-        }
-        pollfd fds[2] = {{signals.get(), POLLIN, 0}, {stop_wake_.get(), POLLIN, 0}};
-        if (::poll(fds, 2, timeout) < 0 && errno != EINTR) return;
-        if (fds[1].revents) return;  // stop_signal_thread()
-        int sig = 0;
-        signalfd_siginfo info{};
-        if ((fds[0].revents & POLLIN) &&
-            ::read(signals.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info))
-          sig = static_cast<int>(info.ssi_signo);
-        if (sig == 0) {
-          if (grace_end && std::chrono::steady_clock::now() >= *grace_end && !has_returned()) {
-            grace_end.reset();
-            std::fprintf(stderr,
-                         "\ntwinkle: the driver entry did not return within stop_grace_s = %g s "
-                         "of the stop request; stopping the run\n",
-                         job_.stop_grace_s);
-            std::fflush(stderr);
-            interrupt(stop_signal_);
-          }
-          continue;
-        }
-        if (signal_ != 0) continue;  // the first interrupt decides
-        if ((sig == SIGTERM || sig == SIGUSR1) && !job_.checkpoint_dir.empty() &&
-            !stop_requested_ && !has_returned()) {
-          stop_signal_ = sig;
-          stop_requested_ = true;
-          grace_end =
-              std::chrono::steady_clock::now() +
-              std::chrono::milliseconds(static_cast<std::int64_t>(job_.stop_grace_s * 1000));
-          std::fflush(stdout);
-          std::fprintf(stderr,
-                       "\ntwinkle: %s: stop requested; the driver entry has %g s to checkpoint and "
-                       "return (another signal stops the run at once)\n",
-                       signal_name(sig), job_.stop_grace_s);
-          std::fflush(stderr);
-          continue;
-        }
-        grace_end.reset();
-        interrupt(sig);
-      }
-    });
+    StopSignals::Options o;
+    o.graceful = !job_.checkpoint_dir.empty();
+    o.grace = std::chrono::milliseconds(static_cast<std::int64_t>(job_.stop_grace_s * 1000));
+    o.interrupt = [this](int sig) { interrupt(sig); };
+    signals_.start(std::move(o));
   }
 
   // Stops the workers at once and fails every wait of the driver entry; if the entry does not
@@ -716,8 +631,7 @@ class JobRun : public HostOps {
     launcher_->kill_now();
     table_->cancel(fmt::format("interrupted by {}", signal_name(sig)));
     channel_->wake();
-    std::unique_lock lock(returned_mu_);
-    if (returned_cv_.wait_for(lock, kInterruptGrace, [this] { return returned_; })) return;
+    if (signals_.wait_entry_returned(kInterruptGrace)) return;
     std::fflush(stdout);
     std::fprintf(stderr,
                  "\ntwinkle: interrupted by %s; the driver entry did not return within %lld s, "
@@ -727,25 +641,6 @@ class JobRun : public HostOps {
     launcher_->kill_now();
     run_dir_.reset();
     ::_exit(128 + sig);  // the last resort: the driver thread is in plugin code
-  }
-
-  bool has_returned() {
-    std::lock_guard lock(returned_mu_);
-    return returned_;
-  }
-
-  void driver_returned() {
-    std::lock_guard lock(returned_mu_);
-    returned_ = true;
-    returned_cv_.notify_all();
-  }
-
-  void stop_signal_thread() {
-    if (!signal_thread_.joinable()) return;
-    driver_returned();
-    const std::uint64_t one = 1;
-    (void)!::write(stop_wake_.get(), &one, sizeof one);
-    signal_thread_.join();
   }
 
   // ----- restarts (docs/ARCHITECTURE.md, Restarts) --------------------------------------------
@@ -931,13 +826,13 @@ class JobRun : public HostOps {
     }
     std::fflush(stdout);
     std::fprintf(stderr, "twinkle: stopped on request (%s) %s; continue with:\n  %s\n",
-                 signal_name(stop_signal_), where.c_str(), resume.c_str());
+                 signal_name(signals_.stop_signal()), where.c_str(), resume.c_str());
     std::fflush(stderr);
-    return {RunResult::Outcome::stopped, stop_signal_};
+    return {RunResult::Outcome::stopped, signals_.stop_signal()};
   }
 
   RunResult finish(bool ok, const std::string& error) {
-    driver_returned();
+    signals_.entry_returned();
     print_restarts();
     if (const int sig = signal_.load()) {
       if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
@@ -972,7 +867,7 @@ class JobRun : public HostOps {
                      fmt::format("{}", fmt::join(stopped, ", ")).c_str(),
                      static_cast<long long>(kShutdownGrace.count()));
       }
-      if (stop_requested_) return stopped_on_request();
+      if (signals_.stop_requested()) return stopped_on_request();
       return {RunResult::Outcome::ok, 0};
     }
     FailureFacts facts{job_.name, run_id_, table_ ? table_->lost() : std::nullopt, error};
@@ -1004,15 +899,12 @@ class JobRun : public HostOps {
   std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<CallTable> table_;
   std::unique_ptr<Launcher> launcher_;
-  std::thread signal_thread_;
-  Fd stop_wake_;  // wakes the signal thread to end
-  std::atomic<int> signal_{0};
+  StopSignals signals_;
+  std::atomic<int> signal_{0};  // the signal that interrupted the run
   // Checkpoints and stopping on request.
   std::optional<checkpoint::Found> resume_;  // the checkpoint this run started from
   std::filesystem::path last_checkpoint_;    // the newest this run published
   std::optional<std::int64_t> last_step_;
-  std::atomic<bool> stop_requested_{false};
-  std::atomic<int> stop_signal_{0};
   // Restarts.
   struct RestartRecord {
     std::string group;
@@ -1031,9 +923,6 @@ class JobRun : public HostOps {
   std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
   std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;
   std::vector<std::optional<checkpoint::Found>> restart_resume_;  // by group
-  std::mutex returned_mu_;
-  std::condition_variable returned_cv_;
-  bool returned_ = false;
 };
 
 }  // namespace
