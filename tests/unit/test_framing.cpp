@@ -455,14 +455,16 @@ TEST_CASE("driver channel: wake() makes a waiting next() return a wake event", "
   CHECK(e->kind == ChannelEvent::Kind::wake);
 }
 
-TEST_CASE("driver channel: a lost worker's last messages come before its loss", "[zmq]") {
-  LocalDriverChannel channel({"w0", "w1"});
-  int lost = 0;
-  {
-    auto link = local_link(channel, 1, &lost);
-    link->send(Message{7, proto::Reply{std::nullopt, encode(Value(1))}});
-  }  // the worker is gone: its end is closed
-  channel.lost(1, "exited with code 3");
+namespace {
+
+// Worker `peer` answers call 7 and is gone (its end closed) before the driver reads the answer.
+void answer_and_die(LocalDriverChannel& channel, std::size_t peer, int* lost) {
+  auto link = local_link(channel, peer, lost);
+  link->send(Message{7, proto::Reply{std::nullopt, encode(Value(1))}});
+}
+
+// The driver's next events after answer_and_die and a loss: the answer, then the loss.
+ChannelEvent answer_then_loss(LocalDriverChannel& channel) {
   auto first = channel.next(5s);
   REQUIRE(first);
   CHECK(first->kind == ChannelEvent::Kind::message);
@@ -470,7 +472,17 @@ TEST_CASE("driver channel: a lost worker's last messages come before its loss", 
   auto second = channel.next(5s);
   REQUIRE(second);
   CHECK(second->kind == ChannelEvent::Kind::lost);
-  CHECK(second->peer == 1);
+  return std::move(*second);
+}
+
+}  // namespace
+
+TEST_CASE("driver channel: a lost worker's last messages come before its loss", "[zmq]") {
+  LocalDriverChannel channel({"w0", "w1"});
+  int lost = 0;
+  answer_and_die(channel, 1, &lost);
+  channel.lost(1, "exited with code 3");
+  CHECK(answer_then_loss(channel).peer == 1);
   CHECK_NOTHROW(channel.send(1, Message{0, proto::Shutdown{}}));  // to no one: dropped
   CHECK(lost == 0);
 }
@@ -482,21 +494,11 @@ TEST_CASE("driver channel: a call to a worker that just died is not the error; i
   // the loss comes, which is what names how the worker ended.
   LocalDriverChannel channel({"w0"});
   int lost = 0;
-  {
-    auto link = local_link(channel, 0, &lost);
-    link->send(Message{7, proto::Reply{std::nullopt, encode(Value(1))}});
-  }
+  answer_and_die(channel, 0, &lost);
   CHECK_NOTHROW(channel.send(0, Message{8, proto::Shutdown{}}));
   CHECK_NOTHROW(channel.send(0, Message{9, proto::Shutdown{}}));
   channel.lost(0, "killed by signal 6");
-  auto first = channel.next(5s);
-  REQUIRE(first);
-  CHECK(first->kind == ChannelEvent::Kind::message);
-  CHECK(first->message.id == 7);
-  auto second = channel.next(5s);
-  REQUIRE(second);
-  CHECK(second->kind == ChannelEvent::Kind::lost);
-  CHECK(second->reason == "killed by signal 6");
+  CHECK(answer_then_loss(channel).reason == "killed by signal 6");
   CHECK(channel.dropped() == 0);  // a worker that died is no malformed stream
 }
 
