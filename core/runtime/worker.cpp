@@ -6,16 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
-#include <type_traits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -27,6 +24,7 @@
 #include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/host_abi.hpp"
+#include "core/runtime/instances.hpp"
 #include "core/runtime/run_as.hpp"
 #include "plugins/loader.hpp"
 #include "transports/zmq/channel.hpp"
@@ -98,35 +96,6 @@ void log_line(void*, std::int32_t level, const char* message) {
   std::FILE* out = level >= TWK_LOG_WARN ? stderr : stdout;
   std::fprintf(out, "%s\n", message);
   std::fflush(out);
-}
-
-// A received value shared with the plugin without a copy (twk_value_v1 retain/release).
-struct SharedArgs {
-  EncodedValue encoded;
-  std::atomic<int> refs{1};
-  static void retain(void* p) { ++static_cast<SharedArgs*>(p)->refs; }
-  static void release(void* p) {
-    auto* s = static_cast<SharedArgs*>(p);
-    if (--s->refs == 0) delete s;
-  }
-};
-
-// Arguments for a plugin call: `view` borrows from `hold`, and the plugin may keep them past the
-// call through retain/release instead of copying.
-struct Shared {
-  std::unique_ptr<SharedArgs, void (*)(SharedArgs*)> hold;
-  twk_value_v1 view;
-};
-
-Shared share(EncodedValue v) {
-  auto* s = new SharedArgs;
-  s->encoded = std::move(v);
-  Shared out{{s, [](SharedArgs* p) { SharedArgs::release(p); }}, {}};
-  out.view = *s->encoded.view();
-  out.view.owner = s;
-  out.view.retain = &SharedArgs::retain;
-  out.view.release = &SharedArgs::release;
-  return out;
 }
 
 // A worker: runs the calls of its driver and, for calls between groups (docs/ARCHITECTURE.md, Calls
@@ -213,12 +182,14 @@ class Worker : public HostOps {
                                   timeout_, welcome->kv, security_, node_ip_, welcome->generation});
       peers_from(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
-        resume_step_ = welcome->resume->step;
+        std::optional<checkpoint::Part> part;
+        std::string error;
         try {
-          resume_.emplace(checkpoint::Part::read(welcome->resume->file, welcome->resume->sha256));
+          part.emplace(checkpoint::Part::read(welcome->resume->file, welcome->resume->sha256));
         } catch (const Error& e) {
-          resume_error_ = e.what();  // the first instance with state fails with it
+          error = e.what();  // the first instance with state fails with it
         }
+        instances_.resume_from(welcome->resume->step, std::move(part), std::move(error));
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "twinkle worker %s: the driver's welcome does not fit this worker: %s\n",
@@ -286,12 +257,6 @@ class Worker : public HostOps {
   Communicators* communicators() override { return comms_.get(); }
 
  private:
-  struct Instance {
-    const plugins::ClassInfo* cls;
-    void* self;
-    std::string key;  // its state's name in checkpoints
-  };
-
   // Something to run: a message from the driver (`from` empty) or a request from another worker.
   struct Pending {
     std::string from;
@@ -480,10 +445,7 @@ class Worker : public HostOps {
     if (const auto* c = m.get<proto::Create>()) return c->cls + " constructor";
     const auto* call = m.get<proto::Call>();
     if (!call) return transport::to_string(m.type());
-    std::string cls = "?";
-    if (auto it = instances_.find(call->instance); it != instances_.end())
-      cls = it->second.cls->name;
-    return cls + "." + call->method;
+    return instances_.class_of(call->instance) + "." + call->method;
   }
 
   static const Chain& chain_of(const Message& m) {
@@ -510,11 +472,11 @@ class Worker : public HostOps {
     };
     Message& m = p.message;
     if (auto* c = m.get<proto::Create>()) {
-      execute(m, from, [&] { reply(Message{m.id, create(*c, m.id, from)}); });
+      execute(m, from, [&] { reply(Message{m.id, instances_.create(*c, m.id, from)}); });
     } else if (auto* c = m.get<proto::Call>()) {
-      execute(m, from, [&] { reply(Message{m.id, call(*c, from.empty())}); });
+      execute(m, from, [&] { reply(Message{m.id, instances_.call(*c, adopt_for(from))}); });
     } else if (auto* s = m.get<proto::Save>()) {
-      reply(Message{m.id, save(*s)});
+      reply(Message{m.id, instances_.save(*s)});
     } else if (auto* g = m.get<proto::Regroup>()) {
       regroup(*g);
     } else if (auto* pull = m.get<proto::StatePull>()) {
@@ -526,9 +488,7 @@ class Worker : public HostOps {
     } else if (auto* r = m.get<proto::Recover>()) {
       reply(Message{m.id, recover(*r)});
     } else if (m.get<proto::Shutdown>()) {
-      for (auto& [id, inst] : instances_) inst.cls->destruct(inst.self);
       instances_.clear();
-      order_.clear();
       comms_->clear();
       return false;
     }
@@ -558,102 +518,6 @@ class Worker : public HostOps {
     return c;
   }
 
-  // Constructs instance `id` (the caller's handle) for `from` (empty: the driver) and, in a
-  // resumed run, gives it its state from the checkpoint.
-  proto::Created create(proto::Create& m, std::uint64_t id, const std::string& from) {
-    const plugins::ClassInfo* cls = plugin_.find_class(m.cls);
-    if (!cls) return proto::Created{"the worker's plugin has no class " + m.cls};
-    Shared args = share(std::move(m.args));
-    twk_context_v1 ctx = context();
-    SinkCapture err;
-    twk_sink_v1 sink = err.sink();
-    void* self = nullptr;
-    if (cls->construct(&host_, &ctx, &args.view, &self, &sink) != TWK_OK)
-      return proto::Created{err.error.value_or("constructor failed")};
-    // The state's key: who made it, the class, and how many of those it made here before, so
-    // that the same driver code finds the same state again.
-    const std::string maker = m.maker ? *m.maker : from.empty() ? "driver" : from;
-    const std::string key =
-        fmt::format("{}/{}/{}", maker, cls->name, made_[maker + "/" + cls->name]++);
-    if (auto restored = restore(*cls, self, key)) {
-      cls->destruct(self);
-      return proto::Created{std::move(restored)};
-    }
-    instances_[id] = Instance{cls, self, key};
-    order_.push_back(id);
-    return proto::Created{};
-  }
-
-  // Loads the checkpoint's state into a new instance; the error when it failed.
-  std::optional<std::string> restore(const plugins::ClassInfo& cls, void* self,
-                                     const std::string& key) {
-    if (!cls.load || (!resume_ && resume_error_.empty())) return std::nullopt;
-    const std::string what =
-        fmt::format("restoring {}'s state from the checkpoint of step {}", cls.name, resume_step_);
-    if (!resume_error_.empty()) return fmt::format("{}: {}", what, resume_error_);
-    try {
-      EncodedValue* state = resume_->state(key, cls.name);
-      if (!state) return std::nullopt;  // made after that checkpoint: it starts fresh
-      twk_context_v1 ctx = context();
-      SinkCapture err;
-      twk_sink_v1 sink = err.sink();
-      if (cls.load(self, &host_, &ctx, state->view(), &sink) != TWK_OK)
-        return fmt::format("{}: {}", what, err.error.value_or("load failed without a message"));
-    } catch (const std::exception& e) {
-      return fmt::format("{}: {}", what, e.what());
-    }
-    return std::nullopt;
-  }
-
-  // Runs `inst`'s save(), handing the value it gives to `take` (which may throw) while the
-  // plugin's memory is valid: checkpoints and replacements alike. The error, if any.
-  template <class Take>
-  std::optional<std::string> save_one(const Instance& inst, Take&& take) {
-    struct Target {
-      std::remove_reference_t<Take>* take;
-      std::optional<std::string> error;
-    } t{&take, std::nullopt};
-    twk_sink_v1 sink{
-        &t,
-        [](void* p, const twk_value_v1* v) {
-          auto* t = static_cast<Target*>(p);
-          try {
-            (*t->take)(*v);
-          } catch (const std::exception& e) {
-            t->error = e.what();
-          }
-        },
-        [](void* p, const char* msg) { static_cast<Target*>(p)->error = msg ? msg : ""; }};
-    twk_context_v1 ctx = context();
-    if (inst.cls->save(inst.self, &host_, &ctx, &sink) != TWK_OK || t.error)
-      return t.error.value_or("failed without a message");
-    return std::nullopt;
-  }
-
-  // Writes this worker's part of a checkpoint: the state of every instance that has state, in
-  // the order they were made, straight from the plugin's memory to the file.
-  proto::Saved save(const proto::Save& m) {
-    std::vector<const Instance*> stateful;
-    for (std::uint64_t id : order_) {
-      const Instance& inst = instances_.at(id);
-      if (inst.cls->save) stateful.push_back(&inst);
-    }
-    try {
-      checkpoint::PartWriter part(std::filesystem::path(m.dir) / m.file,
-                                  static_cast<std::uint32_t>(stateful.size()), m.step);
-      for (const Instance* inst : stateful) {
-        auto error = save_one(
-            *inst, [&](const twk_value_v1& v) { part.add(inst->key, inst->cls->name, v); });
-        if (error)
-          return proto::Saved{fmt::format("{}.save: {}", inst->cls->name, *error), "", 0, 0};
-      }
-      const auto written = part.finish();
-      return proto::Saved{std::nullopt, written.sha256, written.bytes, stateful.size()};
-    } catch (const std::exception& e) {
-      return proto::Saved{e.what(), "", 0, 0};
-    }
-  }
-
   // ----- restart = "worker" (docs/ARCHITECTURE.md, Restarts) --------------------------------
 
   // Everything sent before this was of the group as it was: the group's communicators are made
@@ -672,25 +536,18 @@ class Worker : public HostOps {
     }
   }
 
-  // The state of every instance with state, in the order they were made, for a replacement:
-  // what save() gives, its tensors in shared memory for a local replacement.
+  // This worker's state for a replacement, its tensors in shared memory for a local one.
   proto::State state() {
-    proto::State out;
-    for (std::uint64_t id : order_) {
-      const Instance& inst = instances_.at(id);
-      if (!inst.cls->save) continue;
-      std::optional<EncodedValue> value;
-      auto error = save_one(
-          inst, [&](const twk_value_v1& v) { value = transport::adopt_to_shm(v, serve_->pool()); });
-      if (error || !value) {
-        out.error = fmt::format("{}.save on {}: {}", inst.cls->name, name_,
-                                error.value_or("gave no state"));
-        out.entries.clear();
-        return out;
-      }
-      out.entries.push_back(proto::StateEntry{inst.key, inst.cls->name, std::move(*value)});
-    }
-    return out;
+    return instances_.state(name_, [this](const twk_value_v1& v) {
+      return transport::adopt_to_shm(v, serve_->pool());
+    });
+  }
+
+  // How a method's result leaves the plugin's memory: for the driver by its link (shared memory
+  // locally), for another worker into shared memory.
+  Instances::Adopt adopt_for(const std::string& from) {
+    if (from.empty()) return [this](const twk_value_v1& v) { return link_->adopt(v); };
+    return [this](const twk_value_v1& v) { return transport::adopt_to_shm(v, serve_->pool()); };
   }
 
   // A replacement's instances take the state of the same instances on `donor`, a surviving
@@ -728,56 +585,11 @@ class Worker : public HostOps {
       if (auto* st = e->message.get<proto::State>()) got = std::move(*st);
     }
     if (got->error) return proto::Recovered{fmt::format("{}: {}", what, *got->error), 0, 0, 0};
-    std::uint64_t loaded = 0, bytes = 0;
-    for (auto& entry : got->entries) {
-      const Instance* inst = nullptr;
-      for (const auto& [iid, i] : instances_) {
-        if (i.key == entry.key && i.cls->name == entry.cls) inst = &i;
-      }
-      if (!inst || !inst->cls->load) continue;  // made on the donor only: nothing to load
-      for (const Tensor& t : entry.state.tensors) bytes += t.nbytes();
-      // Shared: the plugin may keep the received tensors (in shared memory) without a copy.
-      Shared state = share(std::move(entry.state));
-      twk_context_v1 ctx = context();
-      SinkCapture err;
-      twk_sink_v1 sink = err.sink();
-      if (inst->cls->load(inst->self, &host_, &ctx, &state.view, &sink) != TWK_OK) {
-        return proto::Recovered{fmt::format("{}: {}.load: {}", what, entry.cls,
-                                            err.error.value_or("failed without a message")),
-                                loaded, bytes, 0};
-      }
-      ++loaded;
-    }
+    const Instances::Loaded loaded = instances_.load(got->entries, what);
+    if (loaded.error) return proto::Recovered{loaded.error, loaded.instances, loaded.bytes, 0};
     return proto::Recovered{
-        std::nullopt, loaded, bytes,
+        std::nullopt, loaded.instances, loaded.bytes,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()};
-  }
-
-  proto::Reply call(proto::Call& m, bool from_driver) {
-    auto it = instances_.find(m.instance);
-    if (it == instances_.end()) return proto::Reply{"no such instance on this worker", {}};
-    const plugins::MethodInfo* mi = it->second.cls->find_method(m.method);
-    if (!mi)
-      return proto::Reply{"class " + it->second.cls->name + " has no remote method " + m.method,
-                          {}};
-
-    // Moved out of the message so that the arguments die with `args.hold` (below), before the
-    // reply.
-    Shared args = share(std::move(m.args));
-    twk_context_v1 ctx = context();
-    EncodedSinkCapture out;
-    out.adopt = [this, from_driver](const twk_value_v1& v) {
-      return from_driver ? link_->adopt(v) : transport::adopt_to_shm(v, serve_->pool());
-    };
-    twk_sink_v1 sink = out.sink();
-    std::int32_t rc = mi->invoke(it->second.self, &host_, &ctx, &args.view, &sink);
-    // Shared-memory arguments the plugin did not keep are released now, so that the reply can
-    // tell the driver it may reuse them.
-    args.hold.reset();
-    if (rc != TWK_OK || out.error)
-      return proto::Reply{out.error.value_or("the method failed without a message"), {}};
-    if (!out.value) return proto::Reply{std::nullopt, encode(Value())};
-    return proto::Reply{std::nullopt, std::move(*out.value)};
   }
 
   WorkerOptions options_;
@@ -790,12 +602,7 @@ class Worker : public HostOps {
   EncodedValue args_;
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshAbi> mesh_abi_;
-  std::map<std::uint64_t, Instance> instances_;
-  std::vector<std::uint64_t> order_;        // instances_ in the order they were made
-  std::map<std::string, int> made_;         // "maker/Class" -> how many were made here
-  std::optional<checkpoint::Part> resume_;  // a resumed run: this worker's part
-  std::string resume_error_;                // ... or why it could not be read
-  std::int64_t resume_step_ = 0;
+  Instances instances_{plugin_, host_, [this] { return context(); }};
   std::chrono::milliseconds timeout_{600'000};
   std::unique_ptr<Communicators> comms_;  // after the welcome
   transport::SocketSecurity security_;    // remote workers: the run's keys
