@@ -28,6 +28,7 @@
 #include "core/runtime/call_table.hpp"
 #include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
+#include "core/runtime/cross_comms.hpp"
 #include "core/runtime/failure_report.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/launcher.hpp"
@@ -178,12 +179,8 @@ class JobRun : public HostOps {
 
   // A communicator across groups: each member learns its rank now (before any call that uses
   // it, on the same ordered channel); the backend is made when the members first use it.
-  void comm_create(std::string_view name_in, const Value& members, double timeout_s) override {
-    const std::string name(name_in);
-    if (comms_.count(name))
-      throw CallError(fmt::format("communicator \"{}\" is declared already", name));
-    CrossComm c{cross_members(name, members), timeout_s > 0 ? timeout_s : job_.timeout_s, 0};
-    declare(name, comms_.emplace(name, std::move(c)).first->second);
+  void comm_create(std::string_view name, const Value& members, double timeout_s) override {
+    comms_.create(std::string(name), members, timeout_s, job_, *table_);
   }
 
   void release(std::uint64_t future) noexcept override { table_->release(future); }
@@ -246,99 +243,6 @@ class JobRun : public HostOps {
   }
 
  private:
-  // ----- communicators across groups -------------------------------------------------------
-
-  struct CrossMembers {
-    std::vector<std::size_t> peers;  // by rank
-    std::vector<std::string> names;  // "group:index" by rank
-  };
-  // A communicator across groups as the driver declared it.
-  struct CrossComm {
-    CrossMembers members;
-    double timeout_s = 0;
-    int generation = 0;  // declared again this many times (a member's group restarted)
-  };
-  // The communicators across groups that include a worker of group `g`.
-  std::vector<std::string> comms_with(std::size_t g) const {
-    std::vector<std::string> out;
-    for (const auto& [name, c] : comms_) {
-      if (std::any_of(c.members.peers.begin(), c.members.peers.end(),
-                      [&](std::size_t p) { return table_->workers()[p].group == g; }))
-        out.push_back(name);
-    }
-    return out;
-  }
-
-  // Tells every member of communicator `name` its rank (and the communicator's generation).
-  void declare(const std::string& name, const CrossComm& c) {
-    for (std::size_t r = 0; r < c.members.peers.size(); ++r) {
-      try {
-        channel_->send(c.members.peers[r],
-                       Message{0, proto::CommJoin{name, static_cast<int>(r), c.members.names,
-                                                  c.timeout_s, c.generation}});
-      } catch (const TransportError&) {
-        // That member is gone; its loss is on its way.
-      }
-    }
-  }
-  // The members of communicator `name` as the driver entry listed them ([[group, [indices]]...],
-  // no indices: the whole group), checked: a valid name that is no mesh dimension, known groups
-  // of one device type, workers that exist, none twice, at least one.
-  CrossMembers cross_members(const std::string& name, const Value& members) const {
-    const bool name_ok = !name.empty() && name.size() <= kMaxGroupName &&
-                         name.find_first_not_of(
-                             "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                             "0123456789_.-") == std::string::npos;
-    if (!name_ok) {
-      throw CallError(fmt::format(
-          "communicator \"{}\": use 1 to {} letters, digits, '_', '.' or '-' for its name", name,
-          kMaxGroupName));
-    }
-    if (name == "ep" || DeviceMesh::is_known_dim(name)) {
-      throw CallError(fmt::format(
-          "communicator \"{}\": the name of a mesh dimension; ctx.comm(\"{}\") means that "
-          "dimension, so choose another name",
-          name, name));
-    }
-    CrossMembers out;
-    std::optional<DeviceType> device;
-    for (const auto& m : members) {
-      const std::string group = m[0].as<std::string>();
-      const auto gi = table_->find_group(group);
-      if (!gi) {
-        throw CallError(
-            fmt::format("communicator \"{}\": the job has no group \"{}\"", name, group));
-      }
-      const GroupInfo& g = table_->groups()[*gi];
-      const GroupSpec& spec = job_.groups.at(*gi);
-      if (device && *device != spec.device) {
-        throw CallError(fmt::format(
-            "communicator \"{}\": its members must share one device type (group {} is {})", name,
-            group, to_string(spec.device)));
-      }
-      device = spec.device;
-      std::vector<int> ranks = m[1].as<std::vector<int>>();
-      if (ranks.empty()) {
-        for (std::size_t i = 0; i < g.peers.size(); ++i) ranks.push_back(static_cast<int>(i));
-      }
-      for (int r : ranks) {
-        if (r < 0 || r >= static_cast<int>(g.peers.size())) {
-          throw CallError(fmt::format("communicator \"{}\": group {} has workers 0 to {}, not {}",
-                                      name, group, g.peers.size() - 1, r));
-        }
-        const std::size_t peer = g.peers[static_cast<std::size_t>(r)];
-        if (std::find(out.peers.begin(), out.peers.end(), peer) != out.peers.end()) {
-          throw CallError(
-              fmt::format("communicator \"{}\": {}:{} is listed twice", name, group, r));
-        }
-        out.peers.push_back(peer);
-        out.names.push_back(fmt::format("{}:{}", group, r));
-      }
-    }
-    if (out.peers.empty()) throw CallError(fmt::format("communicator \"{}\" has no members", name));
-    return out;
-  }
-
   // ----- start-up ---------------------------------------------------------------------------
 
   std::filesystem::path checkpoint_root() const {
@@ -669,7 +573,7 @@ class JobRun : public HostOps {
         [this](std::size_t g) { return job_.groups.at(g).recover == "peer"; },
         [this](std::size_t g) { return generation_.at(g); },
         [this](std::size_t g) {
-          for (const auto& name : comms_with(g)) declare(name, comms_.at(name));
+          for (const auto& name : comms_.with_group(g, *table_)) comms_.declare(name);
         },
         [this](std::string_view name) { return plugin_->find_class(name); }});
   }
@@ -717,19 +621,13 @@ class JobRun : public HostOps {
     // So are those of the communicators across groups that include it: they are declared again
     // at once (their members in other groups meet at the new keys, where the replacements join
     // them once the group is back: reform).
-    std::vector<std::string> cross = comms_with(w.group);
-    for (const auto& name : cross) {
-      const int gen = comms_.at(name).generation;
-      retired.push_back(Communicators::cross_key(name, gen) + "/");
-    }
+    std::vector<std::string> cross = comms_.with_group(w.group, *table_);
+    for (const auto& name : cross)
+      retired.push_back(Communicators::cross_key(name, comms_.generation(name)) + "/");
     kv_->retire(std::move(retired), fmt::format("a worker of group {} was lost and is being "
                                                 "replaced; this communicator will not form",
                                                 spec.name));
-    for (const auto& name : cross) {
-      CrossComm& c = comms_.at(name);
-      ++c.generation;
-      declare(name, c);
-    }
+    for (const auto& name : cross) comms_.renew(name);
     restart_log_.push_back(
         RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group], ""});
     std::fflush(stdout);
@@ -888,8 +786,7 @@ class JobRun : public HostOps {
   twk_driver_fn driver_fn_ = nullptr;
   std::string run_id_;
   std::vector<WorkerLaunch> launches_;
-  std::map<std::string, CrossComm> comms_;  // communicators across groups, by name
-  std::optional<proto::Welcome> book_;      // the workers' address book (welcome)
+  std::optional<proto::Welcome> book_;  // the workers' address book (welcome)
   // Destroyed bottom-up: the launcher (its workers) first, the run folder last.
   std::unique_ptr<RemoteSite> site_;  // remote mode: the cluster (releases the reservation)
   std::unique_ptr<RunDir> run_dir_;
@@ -898,6 +795,8 @@ class JobRun : public HostOps {
   std::unique_ptr<transport::CallChannel> channel_;
   std::unique_ptr<transport::KvServer> kv_;
   std::unique_ptr<CallTable> table_;
+  // Communicators across groups (after the channel: their messages go through it).
+  CrossComms comms_{[this](std::size_t p, const Message& m) { channel_->send(p, m); }};
   std::unique_ptr<Launcher> launcher_;
   StopSignals signals_;
   std::atomic<int> signal_{0};  // the signal that interrupted the run
