@@ -252,6 +252,7 @@ class ClusterLauncher : public Launcher {
       }
     }
     const std::string where = moving.empty() ? std::string() : relocate(moving);
+    if (!moving.empty()) readdress(peers);
     for (const auto& [node, names] : running) {
       proto::StopJob k{site_.run(), node, 0, {}};
       k.workers = names;
@@ -466,6 +467,31 @@ class ClusterLauncher : public Launcher {
                  fmt::format("{}", fmt::join(from, ", ")).c_str());
     std::fflush(stderr);
     return text;
+  }
+
+  // When every worker of a group restarts (restart = "group") and its rank 0 moved to another
+  // node, their MASTER_ADDR becomes rank 0's new node, with a new MASTER_PORT, as at the start
+  // (the old address may be the DEAD node). Survivors of restart = "worker" keep the variables
+  // their processes started with, so then the replacements keep them too.
+  void readdress(const std::vector<std::size_t>& peers) {
+    const std::size_t gi = where_.at(peers.front()).first;
+    std::string addr;
+    {
+      std::lock_guard lock(mu_);
+      const GroupPlacement& gp = placement_.groups.at(gi);
+      if (peers.size() != gp.workers.size() || gp.workers.empty()) return;
+      addr = placement_.nodes.at(static_cast<std::size_t>(gp.workers.front().node)).address;
+    }
+    const std::string now = "MASTER_ADDR=" + addr;
+    const auto& env = launches_.at(peers.front()).env;
+    if (addr.empty() || std::find(env.begin(), env.end(), now) != env.end()) return;
+    std::mt19937 pick(std::random_device{}());
+    const std::vector<std::string> vars{
+        now, fmt::format("MASTER_PORT={}", std::uniform_int_distribution<int>(20000, 39999)(pick))};
+    for (std::size_t p : peers) override_env(launches_.at(p).env, vars);
+    std::fprintf(stderr, "twinkle: group %s's MASTER_ADDR is now %s (%s): its rank 0 moved\n",
+                 placement_.groups.at(gi).group->name.c_str(), addr.c_str(), vars[1].c_str());
+    std::fflush(stderr);
   }
 
   void post_stop(const std::string& node, std::chrono::milliseconds grace) const {

@@ -417,9 +417,10 @@ PY
     expect_no_reservations 5
     expect_no_workers 10
     # The same with restart = "group" from checkpoints: host 3's agent joins again; the next run
-    # holds two of the three nodes, the third is the spare. A rank stops in epoch 12 and its node
+    # holds two of the three nodes, the third is the spare. Rank 0 stops in epoch 12 and its node
     # is lost: the group restarts from the checkpoint of epoch 11, the ranks of the lost node on
-    # the spare and the others in place, and the losses are the reference's.
+    # the spare and the others in place, MASTER_ADDR moves with rank 0, and the losses are the
+    # reference's.
     start_agent h3 2
     wait_for "$TMP/agent-h3.log" "joined the cluster" 10
     run 0 on h1 "$TWK" topology --json "$TMP/job/digits.toml" --address "$ADDR" "${KEYS_h1[@]}"
@@ -428,8 +429,8 @@ d = json.load(open(sys.argv[1]))
 ws = [(w["host"].split()[0], w["index"]) for g in d["groups"] for w in g["workers"]]
 used = sorted({h for h, _ in ws})
 assert len(used) == 2, ws
-lost = used[1]
-print(lost, min(i for h, i in ws if h == lost), ({"h2", "h3", "h4"} - set(used)).pop())' "$TMP/out")
+lost = next(h for h, i in ws if i == 0)
+print(lost, 0, ({"h2", "h3", "h4"} - set(used)).pop())' "$TMP/out")
     spawn "$TMP/run.out" "$TMP/run.err" h1 "$TWK" run --quiet "$TMP/job/digits.toml" \
       --address "$ADDR" "${KEYS_h1[@]}" --set group.model.max_restarts=1 \
       --set group.model.restart=group --set job.checkpoint_dir=ck \
@@ -448,6 +449,8 @@ print(lost, min(i for h, i in ws if h == lost), ({"h2", "h3", "h4"} - set(used))
     [ $rc -eq 0 ] || { cat "$TMP/run.out"; fail "the run exited $rc after its node was lost (restart = group)"; }
     grep -qE "start on node $spare \(node $lost_node is DEAD\)" "$TMP/run.err" || fail "no line saying they start on $spare"
     grep -qF "model:0, model:1, model:2, model:3 replaced (" "$TMP/run.err" || fail "the group was not replaced whole"
+    grep -qE "group model's MASTER_ADDR is now $NET\.${spare#h} \(MASTER_PORT=[0-9]+\): its rank 0 moved" "$TMP/run.err" ||
+      fail "MASTER_ADDR did not move to the spare with rank 0"
     grep -qF "from the checkpoint of step 11)" "$TMP/run.err" || fail "the group did not restart from the checkpoint of step 11"
     grep -E '^epoch [0-9]+  loss ' "$TMP/run.out" | tail -n 30 >"$TMP/got-epochs"
     diff "$TMP/ref-epochs" "$TMP/got-epochs" || fail "restart = group: the losses differ from the run without a fault"
