@@ -33,6 +33,7 @@
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/launcher.hpp"
 #include "core/runtime/notify.hpp"
+#include "core/runtime/run_checkpoints.hpp"
 #include "core/runtime/run_dir.hpp"
 #include "core/runtime/stop_signals.hpp"
 #include "core/runtime/worker_env.hpp"
@@ -116,7 +117,8 @@ class JobRun : public HostOps {
     job_ = load_job(options_.job_file, options_.overrides);
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
-    const std::string resume_note = choose_resume();
+    checkpoints_.emplace(job_, run_id_);
+    const std::string resume_note = checkpoints_->choose_resume(options_.resume);
     if (!place_ranks()) {
       std::fprintf(stderr, "\ntwinkle: interrupted by %s while waiting for devices\n",
                    signal_name(signal_.load()));
@@ -188,47 +190,10 @@ class JobRun : public HostOps {
   // Every worker writes its part into a hidden folder, then the manifest makes it a checkpoint
   // (docs/ARCHITECTURE.md, Checkpoints).
   bool checkpoint(std::int64_t step, const Value& meta) override {
-    if (job_.checkpoint_dir.empty()) return false;
-    const std::string what = fmt::format("checkpoint of step {}", step);
-    std::filesystem::path tmp;
-    try {
-      checkpoint::check_meta(meta);
-      tmp = checkpoint::begin(checkpoint_root(), step, run_id_);
-    } catch (const Error& e) {
-      throw CallError(fmt::format("{}: {}", what, e.what()));
-    }
-    try {
-      const auto parts = table_->save(proto::Save{tmp.string(), "", step}, [this](std::size_t p) {
-        const WorkerInfo& w = table_->workers()[p];
-        return checkpoint::part_name(table_->groups()[w.group].name, w.index);
-      });
-      checkpoint::Manifest m;
-      m.step = step;
-      m.meta = meta;
-      m.job = job_.name;
-      m.run_id = run_id_;
-      m.groups = checkpoint::shapes_of(job_);
-      for (std::size_t p = 0; p < parts.size(); ++p) {
-        const WorkerInfo& w = table_->workers()[p];
-        m.parts.push_back({w.name, checkpoint::part_name(table_->groups()[w.group].name, w.index),
-                           parts[p].sha256, parts[p].bytes, parts[p].instances});
-      }
-      last_checkpoint_ =
-          checkpoint::publish(checkpoint_root(), tmp, std::move(m), job_.checkpoint_keep);
-      last_step_ = step;
-      return true;
-    } catch (const Error& e) {
-      std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);  // nothing published changes
-      if (dynamic_cast<const CallError*>(&e)) throw;
-      throw CallError(fmt::format("{}: {}", what, e.what()));
-    }
+    return checkpoints_->write(step, meta, *table_);
   }
 
-  Value resumed() override {
-    if (!resume_) return Value();
-    return Value::map({{"step", resume_->manifest.step}, {"meta", resume_->manifest.meta}});
-  }
+  Value resumed() override { return checkpoints_->resumed(); }
 
   bool stop_requested() override { return signals_.stop_requested(); }
 
@@ -244,49 +209,6 @@ class JobRun : public HostOps {
 
  private:
   // ----- start-up ---------------------------------------------------------------------------
-
-  std::filesystem::path checkpoint_root() const {
-    return std::filesystem::absolute(job_.checkpoint_dir).lexically_normal();
-  }
-
-  // With --resume or resume = "auto": the newest complete checkpoint, checked against the job
-  // before anything starts. Returns what to tell the user once the topology is printed.
-  std::string choose_resume() {
-    const bool asked = options_.resume || job_.resume_auto;
-    if (job_.checkpoint_dir.empty()) {
-      if (!options_.resume) return "";
-      throw ConfigError(fmt::format(
-          "--resume: {} has no job.checkpoint_dir; set it to the folder of its checkpoints",
-          job_.file.string()));
-    }
-    const std::filesystem::path root = checkpoint_root();
-    auto found = checkpoint::newest(root);
-    if (!asked) {
-      if (!found) return "";
-      return fmt::format(
-          "{} holds checkpoints (the newest: step {}); this run starts fresh (twinkle run "
-          "--resume continues from the newest)",
-          root.string(), found->manifest.step);
-    }
-    if (!found) {
-      if (!options_.resume)
-        return fmt::format("no checkpoint in {} yet; starting fresh", root.string());
-      throw ConfigError(
-          fmt::format("--resume: no complete checkpoint in {}; run without --resume to start fresh",
-                      root.string()));
-    }
-    const auto diffs = checkpoint::differences(found->manifest.groups, checkpoint::shapes_of(job_));
-    if (!diffs.empty()) {
-      throw ConfigError(fmt::format(
-          "--resume: the checkpoint {} does not fit {}: {}; resume with the groups and meshes "
-          "it was written with, or start fresh without --resume",
-          found->dir.string(), job_.file.string(), fmt::join(diffs, "; ")));
-    }
-    resume_ = std::move(found);
-    return fmt::format("resuming from the checkpoint of step {} ({}, written {} by run {})",
-                       resume_->manifest.step, resume_->dir.string(), resume_->manifest.created,
-                       resume_->manifest.run_id);
-  }
 
   // Where every rank runs: this machine's devices, or a reservation on the cluster (which may
   // wait for devices); false when a stop signal came while waiting.
@@ -500,7 +422,7 @@ class JobRun : public HostOps {
     out.collectives = collectives_;
     out.timeout_s = job_.timeout_s;
     out.generation = generation_.empty() ? 0 : generation_[w.group];
-    const auto& from = out.generation ? restart_resume_[w.group] : resume_;
+    const auto& from = out.generation ? restart_resume_[w.group] : checkpoints_->resume();
     if (from) {
       proto::ResumePart part{"", "", from->manifest.step};
       for (const auto& p : from->manifest.parts) {
@@ -645,11 +567,7 @@ class JobRun : public HostOps {
   void respawn(std::size_t g, const std::vector<std::size_t>& peers) {
     book_.reset();  // pids and serve endpoints change
     restart_resume_[g].reset();
-    if (job_.groups[g].recover == "checkpoint") {
-      auto n = checkpoint::newest(checkpoint_root());
-      if (n && (n->manifest.run_id == run_id_ || (resume_ && n->dir == resume_->dir)))
-        restart_resume_[g] = std::move(n);
-    }
+    if (job_.groups[g].recover == "checkpoint") restart_resume_[g] = checkpoints_->for_restart();
     const std::string count = std::to_string(generation_[g]);
     replaced_where_ = launcher_->restart(
         peers, {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
@@ -712,16 +630,7 @@ class JobRun : public HostOps {
     // A submitted job's driver: the job goes on from the cluster.
     if (const char* id = std::getenv("TWINKLE_JOB_ID"); id && *id)
       resume = fmt::format("twinkle resume {}", id);
-    std::string where;
-    if (last_step_) {
-      where = fmt::format("after the checkpoint of step {} ({})", *last_step_,
-                          last_checkpoint_.string());
-    } else if (auto n = checkpoint::newest(checkpoint_root())) {
-      where = fmt::format("without a new checkpoint (the newest is step {}, {})", n->manifest.step,
-                          n->dir.string());
-    } else {
-      where = "without a checkpoint (--resume will find none)";
-    }
+    const std::string where = checkpoints_->where();
     std::fflush(stdout);
     std::fprintf(stderr, "twinkle: stopped on request (%s) %s; continue with:\n  %s\n",
                  signal_name(signals_.stop_signal()), where.c_str(), resume.c_str());
@@ -801,9 +710,7 @@ class JobRun : public HostOps {
   StopSignals signals_;
   std::atomic<int> signal_{0};  // the signal that interrupted the run
   // Checkpoints and stopping on request.
-  std::optional<checkpoint::Found> resume_;  // the checkpoint this run started from
-  std::filesystem::path last_checkpoint_;    // the newest this run published
-  std::optional<std::int64_t> last_step_;
+  std::optional<RunCheckpoints> checkpoints_;  // once the job is read
   // Restarts.
   struct RestartRecord {
     std::string group;
