@@ -475,22 +475,22 @@ class ClusterLauncher : public Launcher {
   // their processes started with, so then the replacements keep them too.
   void readdress(const std::vector<std::size_t>& peers) {
     const std::size_t gi = where_.at(peers.front()).first;
-    std::string addr;
+    Rendezvous r;
+    std::string group;
     {
       std::lock_guard lock(mu_);
       const GroupPlacement& gp = placement_.groups.at(gi);
       if (peers.size() != gp.workers.size() || gp.workers.empty()) return;
-      addr = placement_.nodes.at(static_cast<std::size_t>(gp.workers.front().node)).address;
+      r = remote_rendezvous(placement_, gi);
+      group = gp.group->name;
     }
-    const std::string now = "MASTER_ADDR=" + addr;
+    const std::string addr = "MASTER_ADDR=" + r.addr;
     const auto& env = launches_.at(peers.front()).env;
-    if (addr.empty() || std::find(env.begin(), env.end(), now) != env.end()) return;
-    std::mt19937 pick(std::random_device{}());
-    const std::vector<std::string> vars{
-        now, fmt::format("MASTER_PORT={}", std::uniform_int_distribution<int>(20000, 39999)(pick))};
-    for (std::size_t p : peers) override_env(launches_.at(p).env, vars);
+    if (r.addr.empty() || std::find(env.begin(), env.end(), addr) != env.end()) return;
+    const std::string port = fmt::format("MASTER_PORT={}", r.port);
+    for (std::size_t p : peers) override_env(launches_.at(p).env, {addr, port});
     std::fprintf(stderr, "twinkle: group %s's MASTER_ADDR is now %s (%s): its rank 0 moved\n",
-                 placement_.groups.at(gi).group->name.c_str(), addr.c_str(), vars[1].c_str());
+                 group.c_str(), r.addr.c_str(), port.c_str());
     std::fflush(stderr);
   }
 

@@ -346,12 +346,8 @@ class JobRun : public HostOps {
                               options_.quiet};
     launcher_ = site_->launcher(job_, placement_, std::move(launch), *channel_);
     std::vector<Rendezvous> rendezvous;
-    std::mt19937 pick(std::random_device{}());
-    for (const auto& gp : placement_.groups) {
-      const int first = gp.workers.empty() ? 0 : gp.workers.front().node;
-      rendezvous.push_back(Rendezvous{placement_.nodes.at(first).address,
-                                      std::uniform_int_distribution<int>(20000, 39999)(pick)});
-    }
+    for (std::size_t g = 0; g < placement_.groups.size(); ++g)
+      rendezvous.push_back(remote_rendezvous(placement_, g));
     return rendezvous;
   }
 

@@ -1,6 +1,7 @@
 #include "core/runtime/worker_env.hpp"
 
 #include <algorithm>
+#include <random>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -23,6 +24,14 @@ bool owned(const std::string& kv) {
 }
 
 }  // namespace
+
+Rendezvous remote_rendezvous(const Placement& placement, std::size_t group) {
+  const GroupPlacement& gp = placement.groups.at(group);
+  const int first = gp.workers.empty() ? 0 : gp.workers.front().node;
+  std::mt19937 pick(std::random_device{}());
+  return Rendezvous{placement.nodes.at(static_cast<std::size_t>(first)).address,
+                    std::uniform_int_distribution<int>(20000, 39999)(pick)};
+}
 
 std::vector<std::string> worker_env(const std::vector<std::string>& base,
                                     const Placement& placement, std::size_t group,

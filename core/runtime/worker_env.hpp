@@ -22,6 +22,10 @@ struct Rendezvous {
   int port = 0;
 };
 
+// Where group `group` of a remote placement rendezvouses: the address of its rank 0's node and a
+// random port from 20000 to 39999 (none is free to ask for on another machine).
+Rendezvous remote_rendezvous(const Placement& placement, std::size_t group);
+
 // The environment of worker `worker` of group `group` of `placement` (docs/ARCHITECTURE.md, Worker
 // environment): `base` (the launcher's own environment) without the variables Twinkle owns, plus
 // RANK, WORLD_SIZE (in the group), LOCAL_RANK and LOCAL_WORLD_SIZE (among the group's workers on
