@@ -232,11 +232,18 @@ void CallTable::begin_restart(std::size_t gi, const std::vector<std::size_t>& pe
   }
   // The survivors: what they were sent before this is of the group as it was (its collectives
   // fail on the lost rank); after it they make the group's communicators again.
+  // With recover = "peer", the replicas the replacements will pull from take their state now.
   const int generation = restarts_.generation ? restarts_.generation(gi) : 0;
+  std::set<std::size_t> donors;
+  if (restarts_.from_peer && restarts_.from_peer(gi)) {
+    for (std::size_t p : r.replaced) {
+      if (auto donor = donor_for(p, r)) donors.insert(*donor);
+    }
+  }
   for (std::size_t p : g.peers) {
     if (r.replaced.count(p)) continue;
     try {
-      channel_.send(p, Message{0, transport::proto::Regroup{generation}});
+      channel_.send(p, Message{0, transport::proto::Regroup{generation, donors.count(p) > 0}});
     } catch (const TransportError&) {
       // That survivor is gone too; its loss is on its way.
     }

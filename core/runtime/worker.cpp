@@ -472,8 +472,10 @@ class Worker : public HostOps {
     };
     Message& m = p.message;
     if (auto* c = m.get<proto::Create>()) {
+      taken_.reset();  // the state taken for a replacement is not this worker's any more
       execute(m, from, [&] { reply(Message{m.id, instances_.create(*c, m.id, from)}); });
     } else if (auto* c = m.get<proto::Call>()) {
+      taken_.reset();
       execute(m, from, [&] { reply(Message{m.id, instances_.call(*c, adopt_for(from))}); });
     } else if (auto* s = m.get<proto::Save>()) {
       reply(Message{m.id, instances_.save(*s)});
@@ -483,7 +485,7 @@ class Worker : public HostOps {
       if (pull->generation > comms_->generation()) {
         held_pulls_.push_back(std::move(p));  // served once this worker is regrouped
       } else {
-        reply(Message{m.id, state()});
+        reply(Message{m.id, take_state()});
       }
     } else if (auto* r = m.get<proto::Recover>()) {
       reply(Message{m.id, recover(*r)});
@@ -522,16 +524,21 @@ class Worker : public HostOps {
 
   // Everything sent before this was of the group as it was: the group's communicators are made
   // again at the new generation (their rendezvous keys are new, so the replacements meet the
-  // survivors there), and replacements that asked for this worker's state get it now.
+  // survivors there), and replacements that asked for this worker's state get it now. A donor
+  // takes its state here, while its replacement starts: the copy into new shared memory is then
+  // off the replacement's path, and nothing can change the state before the pull but a call or
+  // create that this worker runs first (calls to the group wait for it to be back).
   void regroup(const proto::Regroup& g) {
     comms_->regroup(std::max(comms_->generation(), g.generation));
+    taken_.reset();
+    if (g.donor) taken_ = state();
     std::vector<Pending> held = std::move(held_pulls_);
     held_pulls_.clear();
     for (Pending& p : held) {
       if (p.message.get<proto::StatePull>()->generation > comms_->generation()) {
         held_pulls_.push_back(std::move(p));
       } else {
-        serve_->reply(p.from, Message{p.message.id, state()});
+        serve_->reply(p.from, Message{p.message.id, take_state()});
       }
     }
   }
@@ -541,6 +548,14 @@ class Worker : public HostOps {
     return instances_.state(name_, [this](const twk_value_v1& v) {
       return transport::adopt_to_shm(v, serve_->pool());
     });
+  }
+
+  // The state taken at the regroup when nothing ran since, else the state now.
+  proto::State take_state() {
+    if (!taken_) return state();
+    proto::State s = std::move(*taken_);
+    taken_.reset();
+    return s;
   }
 
   // How a method's result leaves the plugin's memory: for the driver by its link (shared memory
@@ -613,8 +628,9 @@ class Worker : public HostOps {
   std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
   std::size_t self_ = 0;                           // this worker's index in the run
   std::deque<Pending> queue_;                      // what waits its turn
-  std::vector<Pending> held_pulls_;   // state pulls of a newer generation than this worker's
-  std::unique_ptr<CallChain> calls_;  // what runs now, and the cycle checks
+  std::vector<Pending> held_pulls_;    // state pulls of a newer generation than this worker's
+  std::optional<proto::State> taken_;  // a donor's state, taken at its regroup
+  std::unique_ptr<CallChain> calls_;   // what runs now, and the cycle checks
 };
 
 }  // namespace

@@ -424,6 +424,13 @@ TOML
     expect_err "twinkle: group b is back (restart 1,"
     expect_out "AFTER a:0 -> b:0[0,1]"
     expect_out "AFTER a:1 -> b:1[100,101]"
+    # The donor's state changes (a call from a) after its regroup and before the replacement
+    # pulls it: the replacement gets the state after the change, not the one taken at the regroup.
+    run 0 "$TWK" run --quiet --set job.driver=peer_donor_changed --set args.marker="$TMP/marker" \
+      "$TMP/peers.toml"
+    expect_err "state copied b:1 from b:0"
+    expect_out "POKED 7"
+    expect_out "REPLICAS [7,7]"
     expect_clean
     ;;
   restart_timeout)

@@ -710,6 +710,10 @@ TEST_CASE("restart = worker: only the lost rank is replaced and copies a replica
   CHECK(t.channel.count(1, MsgType::create) == 2);
   // Rank 1 (dp 0, tp 1) copies from rank 3 (dp 1, tp 1): the same coordinates but dp.
   CHECK(t.channel.last(1, MsgType::recover).body["donor"] == Value(3));
+  // The donor was told at its regroup to take its state then; the other survivors were not.
+  CHECK(t.channel.last(3, MsgType::regroup).body["donor"] == Value(true));
+  CHECK(t.channel.last(0, MsgType::regroup).body["donor"] == Value(false));
+  CHECK(t.channel.last(2, MsgType::regroup).body["donor"] == Value(false));
   REQUIRE(r.backs.size() == 1);
   CHECK(r.backs[0] == "g:1 from g:3 (0.0 MiB in 0.010 s)");
   CHECK(t.table.workers()[1].pid == 99);
@@ -822,6 +826,8 @@ TEST_CASE("restart = worker: ranks lost together (a DEAD node's) are replaced in
   CHECK(t.channel.count(2, MsgType::regroup) == 0);
   CHECK(t.channel.last(1, MsgType::recover).body["donor"] == Value(3));
   CHECK(t.channel.last(2, MsgType::recover).body["donor"] == Value(0));
+  for (std::size_t p : {0u, 3u})
+    CHECK(t.channel.last(p, MsgType::regroup).body["donor"] == Value(true));
   REQUIRE(r.backs.size() == 1);
   CHECK_THAT(r.backs[0], Catch::Contains("g:1 from g:3") && Catch::Contains("g:2 from g:0"));
 }

@@ -26,7 +26,7 @@
 namespace twinkle::transport {
 
 // Version of the wire protocol, checked at every message. Bump on any incompatible change.
-inline constexpr std::uint16_t kProtocolVersion = 13;
+inline constexpr std::uint16_t kProtocolVersion = 14;
 
 enum class MsgType : std::uint16_t {
   // Control messages: driver <-> worker, worker <-> worker (calls between groups), rendezvous.
@@ -372,11 +372,16 @@ struct Saved {
 
 // driver -> a surviving worker of a group whose lost ranks are being replaced, in turn with its
 // calls: what was sent before it is of the group as it was; from now on the group's
-// communicators are those of `generation` (their rendezvous keys are new).
+// communicators are those of `generation` (their rendezvous keys are new). `donor`: a
+// replacement will pull this worker's state (recover = "peer"), so it is taken now, while the
+// replacement starts (docs/ARCHITECTURE.md, Restarts).
 struct Regroup {
   static constexpr MsgType kType = MsgType::regroup;
   int generation = 0;
-  static constexpr auto fields() { return std::tuple{field("generation", &Regroup::generation)}; }
+  bool donor = false;
+  static constexpr auto fields() {
+    return std::tuple{field("generation", &Regroup::generation), field("donor", &Regroup::donor)};
+  }
 };
 
 // driver -> a replacement, after the creates of its instances: copy their state from worker
