@@ -66,7 +66,7 @@ max_restarts = 1
 [args]
 state_mib = $MIB
 TOML
-copy=() warm=() cold=()
+copy=() warm=() cold=() hback=()
 for rep in 1 2 3; do
   "$TWK" run --quiet "$TMP/heavy.toml" >"$TMP/out" 2>"$TMP/err"
   grep -q "state copied pair:1 from pair:0" "$TMP/err" || { cat "$TMP/err"; exit 1; }
@@ -74,6 +74,7 @@ for rep in 1 2 3; do
   copy+=("$(sed -n 's/^  group pair, rank 1: .*MiB in \([0-9.]*\) s))$/\1/p' "$TMP/err")")
   warm+=("$(sed -n 's/^FIGURE memcpy \([0-9.]*\) s$/\1/p' "$TMP/out")")
   cold+=("$(sed -n 's/^FIGURE memcpy_fresh \([0-9.]*\) s$/\1/p' "$TMP/out")")
+  hback+=("$(back_in 1)")
 done
 c=$(median "${copy[@]}") m=$(median "${warm[@]}") f=$(median "${cold[@]}")
 gibs() { python3 -c "print('%.2f GiB/s' % ($MIB / 1024 / $1))"; }
@@ -82,6 +83,9 @@ printf 'memcpy of %d MiB into touched memory: %.3f s, %s: the copy runs at %.2fx
   "$MIB" "$m" "$(gibs "$m")" "$(python3 -c "print($m / $c)")"
 printf 'memcpy of %d MiB into new memory:     %.3f s, %s: the copy runs at %.2fx its speed\n' \
   "$MIB" "$f" "$(gibs "$f")" "$(python3 -c "print($f / $c)")"
+printf '(the donor copies into new shared memory at its regroup, while the replacement starts)\n'
+printf 'the replica of %d MiB lost -> back with its state: %.3f s median of 3\n' "$MIB" \
+  "$(median "${hback[@]}")"
 
 # ----- remote: a lost node's ranks on a spare ----------------------------------------------
 export HOME="$TMP/home"
@@ -100,6 +104,7 @@ cluster() {
     >"$TMP/head.log" 2>&1 &
   HEAD=$!
   PIDS+=("$HEAD")
+  disown "$HEAD"  # killed on purpose: no "Killed" line from bash
   wait_line "$TMP/head.log" "listening on"
   ADDR=$(grep -o 'tcp://127.0.0.1:[0-9]*' "$TMP/head.log" | head -1)
   for n in n1 n2; do agent "$n"; done
@@ -109,6 +114,7 @@ agent() {
     >"$TMP/agent-$1.log" 2>&1 &
   eval "AGENT_$1=$!"
   PIDS+=("$!")
+  disown "$!"
   wait_line "$TMP/agent-$1.log" "joined the cluster"
 }
 moved=() after=() rstart=()

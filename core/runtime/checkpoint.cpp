@@ -14,6 +14,7 @@
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -29,7 +30,9 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr char kMagic[8] = {'T', 'W', 'K', 'P', 'A', 'R', 'T', '1'};
-constexpr std::size_t kDataAlignment = 64;  // tensor payloads start at multiples of this
+constexpr std::size_t kDataAlignment = 64;     // tensor payloads start at multiples of this
+constexpr std::size_t kWriteChunk = 8u << 20;  // a part is written and written back in these
+constexpr std::size_t kHashAside = 4u << 20;   // payloads from this size are hashed aside
 constexpr std::int32_t kMaxDims = 64;
 constexpr std::uint32_t kMaxName = 4096;
 
@@ -251,15 +254,39 @@ PartWriter::PartWriter(const fs::path& file, std::uint32_t records, std::int64_t
   write(&reserved, sizeof reserved);
 }
 
+// A large payload is hashed by a second thread while this one writes it, and written in chunks
+// whose writeback starts at once, each waited for two chunks later: the page cache never holds
+// more than a few chunks of it dirty, so the kernel does not throttle one huge write, and fsync
+// finds little left to do.
 void PartWriter::write(const void* data, std::size_t n) {
-  EVP_DigestUpdate(hash_.get(), data, n);
   const char* p = static_cast<const char*>(data);
+  std::jthread hasher;
+  if (n >= kHashAside) {
+    hasher = std::jthread([this, p, n] { EVP_DigestUpdate(hash_.get(), p, n); });
+  } else {
+    EVP_DigestUpdate(hash_.get(), p, n);
+  }
   std::size_t at = 0;
   while (at < n) {
-    const ssize_t w = ::write(fd_.get(), p + at, n - at);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) throw Error(fmt::format("cannot write {}: {}", file_.string(), errno_text()));
-    at += static_cast<std::size_t>(w);
+    const std::size_t chunk = std::min(n - at, kWriteChunk);
+    for (std::size_t done = 0; done < chunk;) {
+      const ssize_t w = ::write(fd_.get(), p + at + done, chunk - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) throw Error(fmt::format("cannot write {}: {}", file_.string(), errno_text()));
+      done += static_cast<std::size_t>(w);
+    }
+    const auto start = static_cast<off64_t>(offset_ + at);
+    if (chunk == kWriteChunk) {
+      // Best effort (a file system without it just writes back later): errors come from fsync.
+      ::sync_file_range(fd_.get(), start, static_cast<off64_t>(chunk), SYNC_FILE_RANGE_WRITE);
+      const auto before = start - static_cast<off64_t>(2 * kWriteChunk);
+      if (before >= 0) {
+        ::sync_file_range(
+            fd_.get(), before, static_cast<off64_t>(kWriteChunk),
+            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+      }
+    }
+    at += chunk;
   }
   offset_ += n;
 }

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/job/digest.hpp"
 #include "core/job/job.hpp"
 #include "core/runtime/checkpoint.hpp"
 #include "twinkle/errors.hpp"
@@ -86,6 +87,25 @@ TEST_CASE("a part holds states with their tensors and reads back verified", "[ch
   CHECK(part.state("driver/Model/2", "Model") == nullptr);
   CHECK_THROWS_WITH(part.state("driver/Model/0", "Other"),
                     Catch::Contains("is a Model's, not a Other's"));
+}
+
+TEST_CASE("a part with a payload larger than the writer's chunks reads back verified",
+          "[checkpoint]") {
+  // 20 MiB and 12 bytes: hashed aside and written in chunks, the last one partial.
+  TempDir d;
+  const fs::path file = d.path / "model.rank0.part";
+  std::vector<float> values((20u << 18) + 3);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 9973);
+  auto large = Tensor::from(values);
+  const auto written = write_part(file, {Value::map({{"ids", Tensor::from(std::vector<int>{4})}}),
+                                         Value::map({{"w", large}, {"step", 3}})});
+  CHECK(written.bytes == fs::file_size(file));
+  // The checksum is of the file's bytes as they are on disk, in order.
+  CHECK(written.sha256 == twinkle::core::sha256_file(file));
+  ck::Part part = ck::Part::read(file, written.sha256);
+  const Value v = twinkle::decode(*part.state("driver/Model/1", "Model"));
+  CHECK(v["w"].tensor().equals(large));
+  CHECK(v["step"].as<int>() == 3);
 }
 
 TEST_CASE("a damaged or short part is refused naming the file", "[checkpoint]") {
