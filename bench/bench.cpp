@@ -1,7 +1,8 @@
 // `meson test --benchmark`: Twinkle's own costs next to references measured in the same run on the
 // same machine (raw ZeroMQ round trip over the same ipc transport, memcpy bandwidth, the Gloo
 // collectives backend next to the shared-memory one), as ratios.
-// Usage: twinkle_bench TWINKLE_BINARY BENCH_JOB [--quick]
+// Usage: twinkle_bench TWINKLE_BINARY BENCH_JOB [--quick | --pipelined]
+// --pipelined: only the pipelined row, three runs next to the raw reference (for profiling).
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -88,13 +89,26 @@ std::pair<std::size_t, std::size_t> call_sizes() {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s TWINKLE_BINARY BENCH_JOB [--quick]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s TWINKLE_BINARY BENCH_JOB [--quick | --pipelined]\n", argv[0]);
     return 2;
   }
   const std::string twinkle = argv[1], job = argv[2];
   const bool quick = argc > 3 && std::string(argv[3]) == "--quick";
   const int calls = quick ? 1000 : 5000;
   try {
+    if (argc > 3 && std::string(argv[3]) == "--pipelined") {
+      const auto [call_bytes, reply_bytes] = call_sizes();
+      for (int rep = 0; rep < 3; ++rep) {
+        const double ref = zmq_pipelined(call_bytes, reply_bytes, 5 * calls);
+        auto f =
+            run_twinkle(twinkle, job, "pipelined", {fmt::format("args.calls={}", calls)}).figures;
+        fmt::print(
+            "pipelined 1 worker {:.4g} calls/s, zmq pipe {:.4g}/s: {:.3f}x; 8 workers "
+            "{:.4g} calls/s\n",
+            f["pipelined_1_worker"], ref, f["pipelined_1_worker"] / ref, f["pipelined_8_workers"]);
+      }
+      return 0;
+    }
     // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
     // times, alternating, and the medians are compared.
     std::vector<double> zp50, zp99, sp50, tp50, tp99, pp50, pp99, psend;

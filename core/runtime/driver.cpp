@@ -114,6 +114,10 @@ class JobRun : public HostOps {
     // only the signal thread takes them: a signal delivered to another thread would run the
     // default action, or vanish where the shell ignores SIGINT for background jobs.
     StopSignals::block();
+    // The control channels to local workers are pipes: a worker that died leaves a write to its
+    // pipe failing with EPIPE, which the channel handles (its loss comes from the launcher),
+    // never the driver's death. Workers start with SIGPIPE's default again (Spawner).
+    ::signal(SIGPIPE, SIG_IGN);
     job_ = load_job(options_.job_file, options_.overrides);
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();

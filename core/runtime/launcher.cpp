@@ -54,7 +54,8 @@ pid_t LocalLauncher::spawn(std::size_t peer, std::vector<std::string> env) {
   spec.env.push_back(fmt::format("TWINKLE_SHM_FD={}", Channel::kShmFd));
   auto ends = channel_.take_worker_ends(peer);
   spec.inherit.emplace_back(std::move(ends.shm), Channel::kShmFd);
-  spec.inherit.emplace_back(std::move(ends.control), Channel::kControlFd);
+  spec.inherit.emplace_back(std::move(ends.control_in), Channel::kControlInFd);
+  spec.inherit.emplace_back(std::move(ends.control_out), Channel::kControlOutFd);
   return spawner_.spawn(std::move(spec));
 }
 

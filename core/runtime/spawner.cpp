@@ -135,9 +135,19 @@ pid_t Spawner::spawn(ProcessSpec spec) {
   posix_spawn_file_actions_addopen(&sa.actions, 0, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&sa.actions, out.second.get(), 1);
   posix_spawn_file_actions_adddup2(&sa.actions, err.second.get(), 2);
-  // dup2 clears close-on-exec on the target: the child keeps exactly these.
-  for (auto& [fd, target] : spec.inherit)
-    posix_spawn_file_actions_adddup2(&sa.actions, fd.get(), target);
+  // dup2 clears close-on-exec on the target: the child keeps exactly these. Each goes first to a
+  // number above every source and target, then to its target, so that no dup2 overwrites a
+  // descriptor a later one copies (a source that is another's target).
+  int above = 2;
+  for (const auto& [fd, target] : spec.inherit) above = std::max({above, fd.get(), target});
+  for (std::size_t i = 0; i < spec.inherit.size(); ++i)
+    posix_spawn_file_actions_adddup2(&sa.actions, spec.inherit[i].first.get(),
+                                     above + 1 + static_cast<int>(i));
+  for (std::size_t i = 0; i < spec.inherit.size(); ++i) {
+    const int staged = above + 1 + static_cast<int>(i);
+    posix_spawn_file_actions_adddup2(&sa.actions, staged, spec.inherit[i].second);
+    posix_spawn_file_actions_addclose(&sa.actions, staged);
+  }
 
   pid_t pid = 0;
   int rc = posix_spawn(&pid, argv[0], &sa.actions, &sa.attr, argv.data(), envp.data());

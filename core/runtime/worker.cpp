@@ -73,18 +73,22 @@ int env_int(const char* name, int fallback) {
   return v ? std::atoi(v) : fallback;
 }
 
-// The descriptor of a local worker's control channel, from its endpoint "fd:N". Throws
-// ConfigError for anything else.
-int control_fd(const std::string& endpoint) {
-  const int fd = endpoint.starts_with("fd:") ? std::atoi(endpoint.c_str() + 3) : -1;
-  if (fd < 3 || ::fcntl(fd, F_GETFD) < 0) {
+// The descriptors of a local worker's control channel, from its endpoint "fd:IN,OUT" (what it
+// reads, what it writes). Throws ConfigError for anything else.
+std::pair<int, int> control_fds(const std::string& endpoint) {
+  int in = -1, out = -1, used = 0;
+  const bool parsed = endpoint.starts_with("fd:") &&
+                      std::sscanf(endpoint.c_str(), "fd:%d,%d%n", &in, &out, &used) == 2 &&
+                      static_cast<std::size_t>(used) == endpoint.size();
+  if (!parsed || in < 3 || out < 3 || in == out || ::fcntl(in, F_GETFD) < 0 ||
+      ::fcntl(out, F_GETFD) < 0) {
     throw ConfigError(fmt::format(
-        "--endpoint {}: not a control channel this worker has; a local worker's endpoint is fd:N, "
-        "the descriptor twinkle run hands it (workers are started by twinkle run), a remote "
-        "worker's tcp://HOST:PORT",
+        "--endpoint {}: not a control channel this worker has; a local worker's endpoint is "
+        "fd:IN,OUT, the descriptors twinkle run hands it (workers are started by twinkle run), a "
+        "remote worker's tcp://HOST:PORT",
         endpoint));
   }
-  return fd;
+  return {in, out};
 }
 
 std::string env_str(const char* name) {
@@ -135,8 +139,8 @@ class Worker : public HostOps {
       // Its driver closing the control channel means it died: the same as its parent-death
       // signal.
       const char* shm_fd = std::getenv("TWINKLE_SHM_FD");
-      link_ = transport::connect_local_worker(Fd(control_fd(o.endpoint)),
-                                              Fd(shm_fd ? std::atoi(shm_fd) : -1),
+      const auto [in, out] = control_fds(o.endpoint);
+      link_ = transport::connect_local_worker(Fd(in), Fd(out), Fd(shm_fd ? std::atoi(shm_fd) : -1),
                                               [](const std::string&) { on_driver_death(SIGHUP); });
     }
     // create/call/wait/release/attach as in a driver entry (HostOps); the collectives on this

@@ -554,7 +554,7 @@ PY
     expect_clean
     ;;
   intruder)
-    # A process of the same user cannot reach the control channel: it is a socket pair per
+    # A process of the same user cannot reach the control channel: it is a pair of pipes per
     # worker, with nothing in the run folder to connect to. A worker started by hand is refused
     # at once, saying why, and the run goes on.
     start_hanging
@@ -562,10 +562,10 @@ PY
     [ ! -e "$rundir/ctl" ] || fail "the run folder has a control socket: $(ls "$rundir")"
     ls "$rundir" | grep -qvE '^(kv|w[0-9]+(\.fd)?|owner)$' &&
       fail "the run folder has more than the rendezvous and serve sockets: $(ls "$rundir")"
-    for endpoint in "ipc://$rundir/ctl" "fd:4" "fd:99"; do
+    for endpoint in "ipc://$rundir/ctl" "fd:4,5" "fd:4" "fd:99,100" "fd:4,5x"; do
       rc=0
       TWINKLE_WORKER_NAME=a:0 "$(dirname "$TWK")/twinkle-worker" --endpoint "$endpoint" --plugin "$PLUGIN" \
-        --run-dir "$rundir" >"$TMP/intruder.out" 2>&1 4<&- || rc=$?
+        --run-dir "$rundir" >"$TMP/intruder.out" 2>&1 4<&- 5<&- || rc=$?
       [ "$rc" -eq 2 ] || { cat "$TMP/intruder.out"; fail "a worker started by hand on $endpoint exited $rc, expected 2"; }
       grep -qF -- "--endpoint $endpoint: not a control channel this worker has" "$TMP/intruder.out" ||
         { cat "$TMP/intruder.out"; fail "the refused worker did not say why"; }

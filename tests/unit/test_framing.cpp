@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -332,11 +333,14 @@ TEST_CASE("driver channel: a stranger that takes a worker's identity first does 
 namespace {
 
 // A local worker's link on the ends the channel hands out for `peer`; `lost` counts on_lost.
+// The control channel is a pair of pipes: this process ignores SIGPIPE, as the driver and the
+// workers do.
 std::unique_ptr<WorkerLink> local_link(LocalDriverChannel& channel, std::size_t peer,
                                        int* lost = nullptr) {
+  ::signal(SIGPIPE, SIG_IGN);
   auto ends = channel.take_worker_ends(peer);
-  return connect_local_worker(std::move(ends.control), std::move(ends.shm),
-                              [lost](const std::string&) {
+  return connect_local_worker(std::move(ends.control_in), std::move(ends.control_out),
+                              std::move(ends.shm), [lost](const std::string&) {
                                 if (lost) ++*lost;
                               });
 }
@@ -345,7 +349,7 @@ std::unique_ptr<WorkerLink> local_link(LocalDriverChannel& channel, std::size_t 
 
 TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]") {
   LocalDriverChannel channel({"w0", "w1"});
-  CHECK(channel.endpoint() == "fd:4");
+  CHECK(channel.endpoint() == "fd:4,5");
   auto link = local_link(channel, 1);
   link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
 

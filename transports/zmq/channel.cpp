@@ -47,8 +47,9 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
 // returns: the driver's side never blocks on a worker, so it reads it.
 class LocalWorkerLink : public WorkerLink {
  public:
-  LocalWorkerLink(Fd control, Fd shm, std::function<void(const std::string&)> on_lost)
-      : stream_(std::move(control)), on_lost_(std::move(on_lost)) {
+  LocalWorkerLink(Fd from_driver, Fd to_driver, Fd shm,
+                  std::function<void(const std::string&)> on_lost)
+      : stream_(std::move(from_driver), std::move(to_driver)), on_lost_(std::move(on_lost)) {
     if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
   }
   void send(const Message& m) override {
@@ -83,7 +84,7 @@ class LocalWorkerLink : public WorkerLink {
             std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
         if (left < 0) left = 0;
       }
-      pollfd p{stream_.fd(), POLLIN, 0};
+      pollfd p{stream_.in_fd(), POLLIN, 0};
       int rc;
       do {
         rc = ::poll(&p, 1, static_cast<int>(left));
@@ -94,7 +95,7 @@ class LocalWorkerLink : public WorkerLink {
   EncodedValue adopt(const twk_value_v1& v) override {
     return shm_ ? adopt_to_shm(v) : copy_encoded(v);
   }
-  Waitable waitable() override { return Waitable::descriptor(stream_.fd()); }
+  Waitable waitable() override { return Waitable::descriptor(stream_.in_fd()); }
   void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
@@ -253,11 +254,13 @@ RouterDriverChannel::~RouterDriverChannel() = default;
 // One local worker's channels: the driver's ends, and the worker's until it is spawned.
 struct LocalDriverChannel::Peer {
   explicit Peer(ShmPool* pool) {
-    FdPair control = FdPair::stream("a worker's control channel");
+    FdPair to_worker = FdPair::pipe("a worker's control channel");
+    FdPair from_worker = FdPair::pipe("a worker's control channel");
     FdPair shm_pair = FdPair::seqpacket("a worker's shared-memory channel");
-    stream = std::make_unique<FrameStream>(std::move(control.first));
+    stream =
+        std::make_unique<FrameStream>(std::move(from_worker.first), std::move(to_worker.second));
     shm = std::make_unique<ShmChannel>(std::move(shm_pair.first), pool);
-    ends = {std::move(control.second), std::move(shm_pair.second)};
+    ends = {std::move(to_worker.first), std::move(from_worker.second), std::move(shm_pair.second)};
   }
   std::unique_ptr<FrameStream> stream;
   std::unique_ptr<ShmChannel> shm;
@@ -267,7 +270,7 @@ struct LocalDriverChannel::Peer {
 };
 
 LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
-    : endpoint_(fmt::format("fd:{}", kControlFd)), names_(std::move(names)) {
+    : endpoint_(fmt::format("fd:{},{}", kControlInFd, kControlOutFd)), names_(std::move(names)) {
   for (std::size_t i = 0; i < names_.size(); ++i) peers_.push_back(std::make_unique<Peer>(&pool_));
 }
 
@@ -370,11 +373,13 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
           0,
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
     }
+    // Two entries a peer: what it sent (POLLIN), and room for what waits for it (POLLOUT).
     polled_.clear();
     for (auto& p : peers_) {
-      short events = 0;
-      if (!p->stream->closed()) events = p->stream->has_output() ? POLLIN | POLLOUT : POLLIN;
-      polled_.push_back(pollfd{events ? p->stream->fd() : -1, events, 0});
+      const bool open = !p->stream->closed();
+      polled_.push_back(pollfd{open ? p->stream->in_fd() : -1, POLLIN, 0});
+      const bool out = open && p->stream->has_output();
+      polled_.push_back(pollfd{out ? p->stream->out_fd() : -1, POLLOUT, 0});
     }
     polled_.push_back(pollfd{events_.fd(), POLLIN, 0});
     int rc;
@@ -383,15 +388,15 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
     } while (rc < 0 && errno == EINTR);
     bool any = false;
     for (std::size_t i = 0; i < peers_.size() && rc > 0; ++i) {
-      const short r = polled_[i].revents;
-      if (r & POLLOUT) {
+      // POLLERR on a pipe's write end: its reader is gone (flush says so).
+      if (polled_[2 * i + 1].revents & (POLLOUT | POLLERR)) {
         try {
           peers_[i]->stream->flush();
         } catch (const TransportError&) {
           // That worker is gone: its launcher reports it.
         }
       }
-      if (r & (POLLIN | POLLHUP | POLLERR)) any = peers_[i]->readable = true;
+      if (polled_[2 * i].revents & (POLLIN | POLLHUP | POLLERR)) any = peers_[i]->readable = true;
     }
     if (any) continue;
     if (held_) {
@@ -476,9 +481,10 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
   }
 }
 
-std::unique_ptr<WorkerLink> connect_local_worker(Fd control, Fd shm,
+std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, Fd shm,
                                                  std::function<void(const std::string&)> on_lost) {
-  return std::make_unique<LocalWorkerLink>(std::move(control), std::move(shm), std::move(on_lost));
+  return std::make_unique<LocalWorkerLink>(std::move(from_driver), std::move(to_driver),
+                                           std::move(shm), std::move(on_lost));
 }
 
 }  // namespace twinkle::transport

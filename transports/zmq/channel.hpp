@@ -42,8 +42,8 @@ struct ChannelEvent {
   std::vector<std::size_t> with;  // lost: peers of the same group lost with it (a DEAD node's)
 };
 
-// Something a wait can wake on: a ZeroMQ socket, or a descriptor that polls readable (a
-// FrameStream's socket).
+// Something a wait can wake on: a ZeroMQ socket, or a descriptor that polls readable (what a
+// FrameStream reads).
 struct Waitable {
   Waitable(zmq::socket_ref s) : socket(s) {}  // NOLINT: a socket is the common case
   Waitable(zmq::socket_t& s) : socket(s) {}   // NOLINT
@@ -179,7 +179,7 @@ class RouterDriverChannel : public CallChannel {
   DropLog drops_{"the control socket"};
 };
 
-// Local workers: for each worker one Unix stream socket pair for the messages (a FrameStream,
+// Local workers: for each worker a pair of pipes for the messages, one each way (a FrameStream,
 // written and read by the driver's thread itself: no I/O thread between it and the kernel) and one
 // descriptor channel over which tensors of kShmThreshold bytes or more travel as shared memory
 // (segments from the channel's pool, whose release acknowledgements ride in the framing). The
@@ -189,23 +189,26 @@ class LocalDriverChannel : public CallChannel {
  public:
   // The descriptors a local worker finds its ends on, and the endpoint that says so.
   static constexpr int kShmFd = 3;
-  static constexpr int kControlFd = 4;
+  static constexpr int kControlInFd = 4;   // the worker reads its driver's messages here
+  static constexpr int kControlOutFd = 5;  // and writes its own here
 
-  // `names[i]`: peer i's worker name (for errors). Throws TransportError when the socket pairs
-  // cannot be made.
+  // `names[i]`: peer i's worker name (for errors). Throws TransportError when the pipes or socket
+  // pairs cannot be made.
   explicit LocalDriverChannel(std::vector<std::string> names);
   ~LocalDriverChannel() override;
 
   struct WorkerEnds {
-    Fd control;  // the worker's kControlFd
-    Fd shm;      // the worker's kShmFd
+    Fd control_in;   // the worker's kControlInFd
+    Fd control_out;  // the worker's kControlOutFd
+    Fd shm;          // the worker's kShmFd
   };
   // The worker's ends of peer's channels, for the launcher to hand to that worker. Once per peer.
   WorkerEnds take_worker_ends(std::size_t peer);
   // New channels for peer (its worker was replaced): take_worker_ends gives their ends.
   void renew_worker_ends(std::size_t peer);
 
-  // "fd:4": the worker's control channel is its descriptor kControlFd.
+  // "fd:4,5": the worker reads its control channel on kControlInFd and writes it on
+  // kControlOutFd.
   const std::string& endpoint() const override { return endpoint_; }
   void send(std::size_t peer, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
@@ -242,10 +245,10 @@ class TcpDriverChannel : public RouterDriverChannel {
   EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
 };
 
-// A local worker's end: its control stream `control` and descriptor channel `shm` (taken over;
-// empty for none). `on_lost` runs (on the worker's thread) when the driver's end is gone: the
-// driver died or closed it.
-std::unique_ptr<WorkerLink> connect_local_worker(Fd control, Fd shm,
+// A local worker's end: its control stream (the pipes `from_driver` and `to_driver`) and
+// descriptor channel `shm` (taken over; empty for none). `on_lost` runs (on the worker's thread)
+// when the driver's end is gone: the driver died or closed it.
+std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, Fd shm,
                                                  std::function<void(const std::string&)> on_lost);
 
 }  // namespace twinkle::transport

@@ -23,6 +23,17 @@ constexpr std::size_t kReadChunk = std::size_t{64} << 10;
 // The largest socket buffers a stream asks for: a driver's burst of pipelined calls fits without
 // waiting in the outbox. The kernel caps what an unprivileged process gets (net.core.wmem_max).
 constexpr int kSocketBuffer = 4 << 20;
+// A pipe's capacity (64 KiB unless asked): 512 KiB holds a burst of ~7,000 calls. It counts
+// against the user's pipe-user-pages-soft (64 MiB by default; 1 MiB a worker), and a pipe that
+// cannot have it keeps what it has: the outbox takes the rest.
+constexpr int kPipeBuffer = 512 << 10;
+
+void make_non_blocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0)
+    throw TransportError(
+        fmt::format("cannot make a stream non-blocking: {}", std::strerror(errno)));
+}
 
 void put_u64(unsigned char* p, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -39,13 +50,22 @@ bool gone(int err) { return err == EPIPE || err == ECONNRESET || err == ENOTCONN
 
 }  // namespace
 
-FrameStream::FrameStream(Fd socket) : socket_(std::move(socket)) {
-  const int flags = ::fcntl(socket_.get(), F_GETFL);
-  if (flags < 0 || ::fcntl(socket_.get(), F_SETFL, flags | O_NONBLOCK) != 0)
-    throw TransportError(
-        fmt::format("cannot make a stream socket non-blocking: {}", std::strerror(errno)));
-  (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
-  (void)::setsockopt(socket_.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+FrameStream::FrameStream(Fd socket) : read_end_(std::move(socket)), socket_(true) {
+  make_non_blocking(read_end_.get());
+  (void)::setsockopt(read_end_.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+  (void)::setsockopt(read_end_.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+}
+
+// Pipes rather than a socket pair: a write appends to the pipe's last page while it has room, so
+// a burst of small messages costs the reader a few page copies instead of one socket buffer each
+// (a pipelined echo of call-sized messages runs about 4x faster; docs/ARCHITECTURE.md, Sockets).
+FrameStream::FrameStream(Fd in, Fd out) : read_end_(std::move(in)), write_end_(std::move(out)) {
+  make_non_blocking(read_end_.get());
+  make_non_blocking(write_end_.get());
+  // The writer's end sizes its pipe; the reader's end asks for its own (the other side's writer
+  // may not have).
+  (void)::fcntl(write_end_.get(), F_SETPIPE_SZ, kPipeBuffer);
+  (void)::fcntl(read_end_.get(), F_SETPIPE_SZ, kPipeBuffer);
 }
 
 void FrameStream::write_failed(int err) {
@@ -62,22 +82,40 @@ void FrameStream::write_failed(int err) {
 
 void FrameStream::send(Frames&& frames) {
   if (closed_ || write_gone_) throw TransportError("the other end of the stream is gone");
-  std::vector<unsigned char> heads(frames.size() * 8);
-  std::vector<iovec> iov;
-  iov.reserve(frames.size() * 2);
+  // A message of up to kInline frames (every call and reply) needs no allocation here.
+  constexpr std::size_t kInline = 8;
+  unsigned char inline_heads[8 * kInline];
+  iovec inline_iov[2 * kInline];
+  std::vector<unsigned char> more_heads;
+  std::vector<iovec> more_iov;
+  unsigned char* heads = inline_heads;
+  iovec* iov = inline_iov;
+  if (frames.size() > kInline) {
+    more_heads.resize(frames.size() * 8);
+    more_iov.resize(frames.size() * 2);
+    heads = more_heads.data();
+    iov = more_iov.data();
+  }
+  std::size_t count = 0;  // iovecs
   for (std::size_t i = 0; i < frames.size(); ++i) {
     const std::uint64_t size = frames[i].size();
-    put_u64(heads.data() + 8 * i, size | (i + 1 < frames.size() ? kMore : 0));
-    iov.push_back({heads.data() + 8 * i, 8});
-    if (size > 0) iov.push_back({frames[i].data(), size});
+    put_u64(heads + 8 * i, size | (i + 1 < frames.size() ? kMore : 0));
+    iov[count++] = {heads + 8 * i, 8};
+    if (size > 0) iov[count++] = {frames[i].data(), size};
   }
   std::size_t done = 0;  // iovecs written whole
   if (!has_output()) {
-    while (done < iov.size()) {
-      msghdr msg{};
-      msg.msg_iov = iov.data() + done;
-      msg.msg_iovlen = std::min<std::size_t>(iov.size() - done, IOV_MAX);
-      const ssize_t n = ::sendmsg(socket_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (done < count) {
+      const std::size_t batch = std::min<std::size_t>(count - done, IOV_MAX);
+      ssize_t n;
+      if (socket_) {
+        msghdr msg{};
+        msg.msg_iov = iov + done;
+        msg.msg_iovlen = batch;
+        n = ::sendmsg(read_end_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      } else {
+        n = ::writev(write_end_.get(), iov + done, static_cast<int>(batch));
+      }
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
@@ -93,7 +131,7 @@ void FrameStream::send(Frames&& frames) {
     }
   }
   // What the socket did not take waits, after what waited already.
-  for (std::size_t i = done; i < iov.size(); ++i) {
+  for (std::size_t i = done; i < count; ++i) {
     const char* p = static_cast<const char*>(iov[i].iov_base);
     out_.insert(out_.end(), p, p + iov[i].iov_len);
   }
@@ -101,8 +139,10 @@ void FrameStream::send(Frames&& frames) {
 
 bool FrameStream::flush() {
   while (has_output()) {
-    const ssize_t n = ::send(socket_.get(), out_.data() + out_begin_, out_.size() - out_begin_,
-                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    const char* data = out_.data() + out_begin_;
+    const std::size_t size = out_.size() - out_begin_;
+    const ssize_t n = socket_ ? ::send(read_end_.get(), data, size, MSG_NOSIGNAL | MSG_DONTWAIT)
+                              : ::write(write_end_.get(), data, size);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
@@ -131,7 +171,7 @@ bool FrameStream::flush_wait(std::chrono::milliseconds timeout) {
       left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) return false;
     }
-    pollfd p{socket_.get(), POLLOUT, 0};
+    pollfd p{out_fd(), POLLOUT, 0};
     if (::poll(&p, 1, static_cast<int>(left)) < 0 && errno != EINTR)
       throw TransportError(fmt::format("cannot wait on a stream: {}", std::strerror(errno)));
   }
@@ -190,7 +230,7 @@ FrameStream::Read FrameStream::read() {
   }
   const std::size_t room = in_.size() - in_end_;
   for (;;) {
-    const ssize_t n = ::read(socket_.get(), in_.data() + in_end_, room);
+    const ssize_t n = ::read(read_end_.get(), in_.data() + in_end_, room);
     if (n > 0) {
       in_end_ += static_cast<std::size_t>(n);
       drained_ = static_cast<std::size_t>(n) < room;

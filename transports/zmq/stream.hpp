@@ -9,10 +9,11 @@
 #include "transports/zmq/message.hpp"
 #include "twinkle/fd.hpp"
 
-// The wire protocol's messages over a Unix stream socket (the socket pair between the driver and a
-// local worker, docs/ARCHITECTURE.md, Sockets): the frames of message.hpp, each preceded by its
-// length, written and read by the threads that use them. No I/O thread stands between the caller
-// and the kernel, which is what a ZeroMQ socket costs per message (two thread wake-ups a side).
+// The wire protocol's messages over a byte stream: a pair of pipes (the control channel between the
+// driver and a local worker, docs/ARCHITECTURE.md, Sockets) or a Unix stream socket. The frames of
+// message.hpp, each preceded by its length, written and read by the threads that use them. No I/O
+// thread stands between the caller and the kernel, which is what a ZeroMQ socket costs per message
+// (two thread wake-ups a side).
 namespace twinkle::transport {
 
 // One end of the stream, non-blocking. On the wire every frame is a u64 (little endian): its
@@ -20,13 +21,19 @@ namespace twinkle::transport {
 // then its bytes. Used from one thread.
 class FrameStream {
  public:
-  // Takes over `socket` (a SOCK_STREAM Unix socket) and makes it non-blocking. Throws
-  // TransportError when it cannot.
+  // Takes over `socket` (a SOCK_STREAM Unix socket, read and written) and makes it non-blocking.
+  // Throws TransportError when it cannot.
   explicit FrameStream(Fd socket);
+  // Reads `in` and writes `out` (the ends of two pipes), both made non-blocking. Writing to a pipe
+  // whose reader is gone raises SIGPIPE: a process that writes to one ignores it (the driver and
+  // the workers do). Throws TransportError when it cannot.
+  FrameStream(Fd in, Fd out);
   FrameStream(const FrameStream&) = delete;
   FrameStream& operator=(const FrameStream&) = delete;
 
-  int fd() const { return socket_.get(); }
+  // What is read (poll it for POLLIN) and what is written (POLLOUT); the same for a socket.
+  int in_fd() const { return read_end_.get(); }
+  int out_fd() const { return write_end_ ? write_end_.get() : read_end_.get(); }
 
   // Writes `frames` as far as the socket takes them now; the rest waits in the outbox for
   // flush(), in order. Never blocks. Throws TransportError when the other end is gone (then
@@ -67,7 +74,9 @@ class FrameStream {
   // end is only gone (its last bytes are still read). Throws TransportError.
   [[noreturn]] void write_failed(int err);
 
-  Fd socket_;
+  Fd read_end_;           // read; written too when write_end_ is empty (a socket)
+  Fd write_end_;          // written, when it is not read_end_ (a pipe)
+  bool socket_ = false;   // written with sendmsg (MSG_NOSIGNAL), else writev
   std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
   std::size_t in_begin_ = 0, in_end_ = 0;
   std::size_t want_ = 0;   // bytes the message at in_begin_ needs in all (0: not known)

@@ -645,7 +645,7 @@ inline Value unpack_value(const msgpack::object& o, const std::vector<Tensor>& t
 
 inline EncodedValue encode(const Value& v) {
   EncodedValue out;
-  msgpack::sbuffer buf;
+  msgpack::sbuffer buf(128);  // not msgpack's 8 KiB: most values are small, and it grows
   msgpack::packer<msgpack::sbuffer> pk(buf);
   detail::pack_value(buf, pk, v, out.tensors);
   out.msgpack.assign(buf.data(), buf.size());
