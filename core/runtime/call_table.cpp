@@ -470,7 +470,6 @@ bool CallTable::pump(std::chrono::milliseconds timeout) {
     if (timeout.count() < 0 || left < timeout)
       timeout = std::max(left, std::chrono::milliseconds(0));
   }
-  unread_calls_ = 0;
   auto e = channel_.next(timeout);
   if (!e) return false;
   on_event(*e);
@@ -696,12 +695,13 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
         cls.name, names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", "))));
   }
   const std::string what = fmt::format("{}.{}", cls.name, m->name);
-  // A loss that came meanwhile is seen by this call.
-  if (restarts_.decide || ++unread_calls_ >= kReadEvery) drain();
   check_failed(what);
   const std::size_t gi = inst->second.group;
   const GroupInfo& g = groups_[gi];
-  if (restarts_.decide && m->retries == 0) throw_unobserved(gi, what);
+  if (restarts_.decide) {
+    drain();  // a loss that came meanwhile is seen by this call
+    if (m->retries == 0) throw_unobserved(gi, what);
+  }
 
   Call c;
   c.what = what;

@@ -255,11 +255,6 @@ class CallTable {
   std::map<std::size_t, transport::proto::Saved> saved_;
   std::uint64_t next_id_ = 0;
   std::uint64_t in_wait_ = 0;  // the call that wait() waits for (0: none)
-  // Calls made since the channel was last read. A driver that makes many calls before it waits
-  // reads the answers every kReadEvery calls: a worker whose answers fill its pipe stops until
-  // they are read (LocalWorkerLink), and would idle while the driver goes on sending.
-  static constexpr unsigned kReadEvery = 512;
-  unsigned unread_calls_ = 0;
   std::optional<LostWorker> lost_;
   std::function<void(std::size_t, const std::string&)> on_first_loss_;
   Restarts restarts_;

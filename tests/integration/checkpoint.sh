@@ -292,7 +292,7 @@ PY
   kill_random)
     # SIGKILL to the driver or to one worker at random moments of a run that checkpoints every
     # epoch (every few tens of milliseconds): resume always finds a complete checkpoint.
-    for trial in $(seq 1 10); do
+    for trial in $(seq 1 20); do
       rm -rf "$CK"
       start_bg
       wait_for "$TMP/bg.out" "epoch 3  loss" 30

@@ -371,6 +371,49 @@ TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]
   CHECK(w->get<proto::Welcome>()->self == 1);
 }
 
+TEST_CASE("driver channel: a burst to a busy worker is written together, and all of it arrives",
+          "[zmq]") {
+  // The first message of a burst is written at once; the rest wait for the flusher
+  // (kCoalesce). The driver reads nothing meanwhile: the last of them arrives all the same.
+  LocalDriverChannel channel({"w0"});
+  auto link = local_link(channel, 0);
+  channel.send(0, Message{1, proto::Shutdown{}});
+  auto first = link->recv(0ms);  // in the pipe when send returned
+  REQUIRE(first);
+  CHECK(first->id == 1);
+  constexpr int kBurst = 2000;
+  for (int i = 2; i <= kBurst; ++i)
+    channel.send(0, Message{static_cast<std::uint64_t>(i), proto::Shutdown{}});
+  for (int i = 2; i <= kBurst; ++i) {
+    auto m = link->recv(5s);
+    REQUIRE(m);
+    REQUIRE(m->id == static_cast<std::uint64_t>(i));
+  }
+  // An answer read: the next message is written at once again.
+  link->send(Message{kBurst, proto::Reply{std::nullopt, encode(Value(1))}});
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  REQUIRE(e->kind == ChannelEvent::Kind::message);
+  channel.send(0, Message{kBurst + 1, proto::Shutdown{}});
+  auto next = link->recv(0ms);
+  REQUIRE(next);
+  CHECK(next->id == kBurst + 1);
+
+  // The worker's side: answers sent one after another with nothing read in between wait for
+  // its flusher, and more than its pipe holds does not block it; the driver gets them all, in
+  // order.
+  const std::string pad(20000, 'p');
+  for (int i = 1; i <= 200; ++i)  // 4 MB: more than the pipe takes
+    link->send(
+        Message{static_cast<std::uint64_t>(i), proto::Reply{std::nullopt, encode(Value(pad))}});
+  for (int i = 1; i <= 200; ++i) {
+    auto r = channel.next(5s);
+    REQUIRE(r);
+    REQUIRE(r->kind == ChannelEvent::Kind::message);
+    REQUIRE(r->message.id == static_cast<std::uint64_t>(i));
+  }
+}
+
 TEST_CASE("driver channel: tensors reach a local worker inline and in shared memory", "[zmq]") {
   LocalDriverChannel channel({"w0"});
   auto link = local_link(channel, 0);

@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -43,29 +45,61 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
 }
 
 // A local worker's end of its driver's channel: the control stream, read and written by the
-// worker's thread itself. A reply the socket cannot take at once is written before send()
-// returns: the driver's side never blocks on a worker, so it reads it.
+// worker's thread itself. An answer sent after another one with nothing read from the driver in
+// between (the worker took several calls in one read) waits up to Flusher::kCoalesce to be written
+// with the next, by the link's flusher thread, which also writes what a full pipe did not take
+// once it has room: the worker never blocks on its driver, and the driver reads whenever it
+// waits.
 class LocalWorkerLink : public WorkerLink {
  public:
   LocalWorkerLink(Fd from_driver, Fd to_driver, Fd shm,
                   std::function<void(const std::string&)> on_lost)
       : stream_(std::move(from_driver), std::move(to_driver)), on_lost_(std::move(on_lost)) {
     if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
+    flusher_ = std::make_unique<Flusher>([this] {
+      std::vector<int> full;
+      std::lock_guard lock(write_mu_);
+      try {
+        if (stream_.has_output() && !stream_.flush()) full.push_back(stream_.out_fd());
+      } catch (const TransportError&) {
+        // The driver is gone: the worker's next read finds its end closed.
+      }
+      return full;
+    });
+  }
+  ~LocalWorkerLink() override {
+    flusher_.reset();
+    // What still waits goes before the worker exits (the driver reads until its workers exit).
+    std::lock_guard lock(write_mu_);
+    try {
+      if (stream_.has_output()) stream_.flush_wait(std::chrono::seconds(2));
+    } catch (const TransportError&) {
+    }
   }
   void send(const Message& m) override {
     if (stream_.closed()) return;  // the driver is gone (on_lost ran): nobody waits for this
+    Frames frames = encode_message(m, shm_.get());
+    const bool wait = unanswered_ > 0;
+    bool waits = false;
     try {
-      stream_.send(encode_message(m, shm_.get()));
-      if (stream_.has_output()) stream_.flush_wait(std::chrono::milliseconds(-1));
+      std::lock_guard lock(write_mu_);
+      stream_.send(std::move(frames), !wait);
+      waits = stream_.has_output();
     } catch (const TransportError& e) {
       lost(e.what());
+      return;
     }
+    ++unanswered_;
+    if (waits) flusher_->arm();
   }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
     using Clock = std::chrono::steady_clock;
     const auto deadline = Clock::now() + timeout;
     for (;;) {
-      if (auto frames = stream_.recv()) {
+      bool read_data = false;
+      auto frames = stream_.recv(&read_data);
+      if (read_data) unanswered_ = 0;
+      if (frames) {
         try {
           return decode_message(std::move(*frames), shm_.get());
         } catch (const ProtocolError& e) {
@@ -106,10 +140,13 @@ class LocalWorkerLink : public WorkerLink {
   }
 
   FrameStream stream_;
+  std::mutex write_mu_;      // the stream's write side: the worker's thread and the flusher
+  unsigned unanswered_ = 0;  // messages sent since something was last read from the driver
   std::unique_ptr<ShmChannel> shm_;
   std::function<void(const std::string&)> on_lost_;
   bool lost_reported_ = false;
   DropLog drops_{"the worker's link to its driver"};
+  std::unique_ptr<Flusher> flusher_;  // last: stopped first
 };
 
 class TcpWorkerLink : public WorkerLink {
@@ -267,21 +304,47 @@ struct LocalDriverChannel::Peer {
   WorkerEnds ends;
   bool readable = false;  // the last poll said so, and no read emptied it since
   bool broken = false;    // its framing broke: reported once
+  // The stream's write side: the driver's thread sends, and both it and the flusher write what
+  // waits.
+  std::mutex write_mu;
+  // Messages sent since something was last read from it (the driver's thread only): from the
+  // second on, a message waits to be written with the next (Flusher::kCoalesce).
+  unsigned unanswered = 0;
 };
 
 LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
     : endpoint_(fmt::format("fd:{},{}", kControlInFd, kControlOutFd)), names_(std::move(names)) {
   for (std::size_t i = 0; i < names_.size(); ++i) peers_.push_back(std::make_unique<Peer>(&pool_));
+  flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
 }
 
 LocalDriverChannel::~LocalDriverChannel() = default;
+
+std::vector<int> LocalDriverChannel::flush_waiting() {
+  std::vector<int> full;
+  std::lock_guard peers(peers_mu_);
+  for (auto& p : peers_) {
+    std::lock_guard write(p->write_mu);
+    if (!p->stream->has_output()) continue;
+    try {
+      if (!p->stream->flush()) full.push_back(p->stream->out_fd());
+    } catch (const TransportError&) {
+      // That worker is gone (its launcher reports it), or the write failed: the next send to it
+      // says so.
+    }
+  }
+  return full;
+}
 
 LocalDriverChannel::WorkerEnds LocalDriverChannel::take_worker_ends(std::size_t peer) {
   return std::move(peers_.at(peer)->ends);
 }
 
 void LocalDriverChannel::renew_worker_ends(std::size_t peer) {
-  peers_.at(peer) = std::make_unique<Peer>(&pool_);
+  auto fresh = std::make_unique<Peer>(&pool_);
+  std::unique_ptr<Peer> old;
+  std::lock_guard lock(peers_mu_);
+  old = std::exchange(peers_.at(peer), std::move(fresh));
 }
 
 void LocalDriverChannel::send(std::size_t peer, const Message& m) {
@@ -290,12 +353,20 @@ void LocalDriverChannel::send(std::size_t peer, const Message& m) {
   // reports its loss, which fails or restarts what was sent to it, naming how it ended. What it
   // is sent meanwhile goes nowhere, and is not the run's error.
   if (p.stream->peer_gone()) return;
+  Frames frames = encode_message(m, p.shm.get());
+  // A worker that has not answered since the last message it was sent is busy with it (or the
+  // driver has not read its answer yet): this one can wait for the next, up to
+  // Flusher::kCoalesce.
+  const bool wait = p.unanswered > 0;
   try {
-    p.stream->send(encode_message(m, p.shm.get()));
+    std::lock_guard lock(p.write_mu);
+    p.stream->send(std::move(frames), !wait);
   } catch (const TransportError& e) {
     if (p.stream->peer_gone()) return;
     throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
+  ++p.unanswered;
+  if (wait) flusher_->arm();
 }
 
 void LocalDriverChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
@@ -307,6 +378,7 @@ bool LocalDriverChannel::flush(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   bool all = true;
   for (auto& p : peers_) {
+    std::lock_guard lock(p->write_mu);
     if (!p->stream->has_output() || p->stream->closed()) continue;
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -355,6 +427,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       if (!p->readable) continue;
       if (p->stream->read() == FrameStream::Read::data) {
         got = true;
+        p->unanswered = 0;
         p->readable = !p->stream->drained();
       } else {
         p->readable = false;
@@ -378,7 +451,11 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
     for (auto& p : peers_) {
       const bool open = !p->stream->closed();
       polled_.push_back(pollfd{open ? p->stream->in_fd() : -1, POLLIN, 0});
-      const bool out = open && p->stream->has_output();
+      bool out = false;
+      if (open) {
+        std::lock_guard lock(p->write_mu);
+        out = p->stream->has_output();
+      }
       polled_.push_back(pollfd{out ? p->stream->out_fd() : -1, POLLOUT, 0});
     }
     polled_.push_back(pollfd{events_.fd(), POLLIN, 0});
@@ -391,6 +468,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       // POLLERR on a pipe's write end: its reader is gone (flush says so).
       if (polled_[2 * i + 1].revents & (POLLOUT | POLLERR)) {
         try {
+          std::lock_guard lock(peers_[i]->write_mu);
           peers_[i]->stream->flush();
         } catch (const TransportError&) {
           // That worker is gone: its launcher reports it.

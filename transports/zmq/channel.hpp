@@ -2,7 +2,9 @@
 
 #include <poll.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <filesystem>
@@ -11,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -180,7 +183,10 @@ class RouterDriverChannel : public CallChannel {
 };
 
 // Local workers: for each worker a pair of pipes for the messages, one each way (a FrameStream,
-// written and read by the driver's thread itself: no I/O thread between it and the kernel) and one
+// written and read by the driver's thread itself: no I/O thread between it and the kernel; a
+// message sent to a worker that has not answered since the last one was written waits up to
+// Flusher::kCoalesce, and the channel's flusher thread writes what waited in one system call)
+// and one
 // descriptor channel over which tensors of kShmThreshold bytes or more travel as shared memory
 // (segments from the channel's pool, whose release acknowledgements ride in the framing). The
 // worker's ends of both are handed to it when it is spawned (take_worker_ends); nothing is bound
@@ -224,15 +230,24 @@ class LocalDriverChannel : public CallChannel {
   // A whole message already read from one of the peers, taken in turn; nullopt when none.
   std::optional<ChannelEvent> take_read();
 
+  // What the flusher runs: every peer's waiting messages written; the write ends still full.
+  std::vector<int> flush_waiting();
+
   std::string endpoint_;
   std::vector<std::string> names_;
   ShmPool pool_;  // before the channels, which point to it
+  // Changed on the driver's thread only, under peers_mu_, which the flusher holds while it
+  // writes (the driver's thread reads it without).
   std::vector<std::unique_ptr<Peer>> peers_;
+  std::mutex peers_mu_;
   std::size_t turn_ = 0;              // the peer take_read looks at first
   std::optional<ChannelEvent> held_;  // a lost event taken, delivered once the sockets are read
   std::vector<pollfd> polled_;        // scratch for next()
   ChannelEvents events_;
   DropLog drops_{"the control channel"};
+  // A message to a worker that has sent nothing since the last one it was sent waits here, up to
+  // Flusher::kCoalesce. Last: stopped first, while the peers it writes to are still there.
+  std::unique_ptr<Flusher> flusher_;
 };
 
 // Remote workers: a ZeroMQ ROUTER on TCP, bound to `host` on an ephemeral port, with CURVE when

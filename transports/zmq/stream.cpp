@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -75,13 +77,13 @@ void FrameStream::write_failed(int err) {
     write_gone_ = true;
     throw TransportError("the other end of the stream is gone");
   }
-  closed_ = true;
-  error_ = std::strerror(err);
-  throw TransportError("cannot write to the stream: " + error_);
+  write_error_ = std::strerror(err);
+  throw TransportError("cannot write to the stream: " + write_error_);
 }
 
-void FrameStream::send(Frames&& frames) {
-  if (closed_ || write_gone_) throw TransportError("the other end of the stream is gone");
+void FrameStream::send(Frames&& frames, bool now) {
+  if (write_gone_) throw TransportError("the other end of the stream is gone");
+  if (!write_error_.empty()) throw TransportError("cannot write to the stream: " + write_error_);
   // A message of up to kInline frames (every call and reply) needs no allocation here.
   constexpr std::size_t kInline = 8;
   unsigned char inline_heads[8 * kInline];
@@ -104,7 +106,7 @@ void FrameStream::send(Frames&& frames) {
     if (size > 0) iov[count++] = {frames[i].data(), size};
   }
   std::size_t done = 0;  // iovecs written whole
-  if (!has_output()) {
+  if (now && !has_output()) {
     while (done < count) {
       const std::size_t batch = std::min<std::size_t>(count - done, IOV_MAX);
       ssize_t n;
@@ -251,7 +253,7 @@ FrameStream::Read FrameStream::read() {
   }
 }
 
-std::optional<Frames> FrameStream::recv() {
+std::optional<Frames> FrameStream::recv(bool* read_data) {
   for (;;) {
     if (auto frames = take()) return frames;
     if (closed_) return std::nullopt;
@@ -262,6 +264,78 @@ std::optional<Frames> FrameStream::recv() {
       return std::nullopt;
     }
     if (read() != Read::data) return std::nullopt;
+    if (read_data) *read_data = true;
+  }
+}
+
+Flusher::Flusher(std::function<std::vector<int>()> flush) : flush_(std::move(flush)) {
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_)
+    throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+  thread_ = std::thread([this] { loop(); });
+}
+
+Flusher::~Flusher() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
+  thread_.join();
+}
+
+void Flusher::arm() {
+  if (armed_.exchange(true)) return;
+  if (waiting_) {
+    const std::uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+    return;
+  }
+  // The thread sleeps on mu_ until armed: a notify under the lock cannot be missed.
+  std::lock_guard lock(mu_);
+  cv_.notify_one();
+}
+
+void Flusher::loop() {
+  // A sleep of kCoalesce, not of the default timer slack (50 us) more.
+  (void)::prctl(PR_SET_TIMERSLACK, 1000UL);
+  std::unique_lock lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || armed_.load(); });
+    if (stop_) return;
+    cv_.wait_for(lock, kCoalesce, [&] { return stop_; });
+    if (stop_) return;
+    lock.unlock();
+    // Disarmed before writing: a message that waits from now on arms the thread again, and one
+    // that waited before is written by this flush.
+    armed_ = false;
+    std::vector<int> full = flush_();
+    std::vector<pollfd> fds;
+    while (!full.empty()) {
+      // Room in a full pipe, a message that waits for another (arm), or the end.
+      waiting_ = true;
+      fds.clear();
+      for (int fd : full) fds.push_back(pollfd{fd, POLLOUT, 0});
+      fds.push_back(pollfd{wake_.get(), POLLIN, 0});
+      if (!armed_) {
+        int rc;
+        do {
+          rc = ::poll(fds.data(), fds.size(), -1);
+        } while (rc < 0 && errno == EINTR);
+      }
+      waiting_ = false;
+      std::uint64_t n;
+      (void)!::read(wake_.get(), &n, sizeof n);
+      {
+        std::lock_guard stop(mu_);
+        if (stop_) return;
+      }
+      armed_ = false;
+      full = flush_();
+    }
+    lock.lock();
   }
 }
 

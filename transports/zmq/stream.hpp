@@ -1,9 +1,15 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "transports/zmq/message.hpp"
@@ -36,9 +42,15 @@ class FrameStream {
   int out_fd() const { return write_end_ ? write_end_.get() : read_end_.get(); }
 
   // Writes `frames` as far as the socket takes them now; the rest waits in the outbox for
-  // flush(), in order. Never blocks. Throws TransportError when the other end is gone (then
-  // peer_gone()); what it sent before is still read, up to its end.
-  void send(Frames&& frames);
+  // flush(), in order. With `now` false, all of it waits (a later flush() writes it with what
+  // comes after it, in one system call). Never blocks. Throws TransportError when the other end
+  // is gone (then peer_gone()); what it sent before is still read, up to its end.
+  //
+  // The write side (send, flush, flush_wait, has_output) and the read side (take, read, recv)
+  // share no state but an atomic flag: one thread may read while another writes, and a write
+  // side used by two threads is guarded by its user (LocalDriverChannel). peer_gone() looks at
+  // both: ask it where the stream is read.
+  void send(Frames&& frames, bool now = true);
   // Writes what waits in the outbox as far as the socket takes it; true when it is empty. Throws
   // TransportError when the other end is gone.
   bool flush();
@@ -56,22 +68,24 @@ class FrameStream {
   // cannot be trusted past that point. `error()` says why.
   Read read();
   // take(), else read() and take() again, until a message or nothing more: the next message.
-  std::optional<Frames> recv();
+  // `read_data`, when given, is set when a read got bytes.
+  std::optional<Frames> recv(bool* read_data = nullptr);
   bool closed() const { return closed_; }
   // The other end is gone (a write found it so, or a read reached its end), as opposed to a
   // stream closed for an error of its own (error()).
   bool peer_gone() const { return write_gone_ || (closed_ && error_.empty()); }
   // The last read left the socket empty.
   bool drained() const { return drained_; }
-  // Why the stream closed ("" for the other end's close).
+  // Why the stream closed ("" for the other end's close). A failed write is not a close: send
+  // and flush throw it.
   const std::string& error() const { return error_; }
 
   // A frame longer than this is no frame of Twinkle's: the framing is broken.
   static constexpr std::uint64_t kMaxFrame = std::uint64_t{1} << 40;
 
  private:
-  // A write failed with `err`: nothing more is written; the stream is closed unless the other
-  // end is only gone (its last bytes are still read). Throws TransportError.
+  // A write failed with `err`: nothing more is written (the other end is gone, or write_error_
+  // says why); what it sent is still read. Throws TransportError.
   [[noreturn]] void write_failed(int err);
 
   Fd read_end_;           // read; written too when write_end_ is empty (a socket)
@@ -84,8 +98,41 @@ class FrameStream {
   std::vector<char> out_;  // [out_begin_, end) waits to be written
   std::size_t out_begin_ = 0;
   bool closed_ = false;
-  bool write_gone_ = false;  // a write found the other end gone: reads go on to its end
+  std::atomic<bool> write_gone_{false};  // a write found the other end gone: reads go on to its end
+  std::string write_error_;              // a write failed otherwise: nothing more is written
   std::string error_;
+};
+
+// A thread that writes what waits in streams' outboxes (FrameStream::send with `now` false)
+// kCoalesce after the first of it waited, so that a burst of messages to one peer costs one
+// system call instead of one each (docs/ARCHITECTURE.md, Sockets). `flush` runs on that thread:
+// it writes what waits, under the streams' own locks, and returns the write ends that still have
+// output (their pipe is full); the thread waits for room in them and calls it again.
+class Flusher {
+ public:
+  // How long a message may wait to be written with the ones after it.
+  static constexpr std::chrono::microseconds kCoalesce{50};
+
+  // Throws TransportError when the thread's eventfd cannot be made.
+  explicit Flusher(std::function<std::vector<int>()> flush);
+  ~Flusher();  // stops the thread; what still waits is its owner's to write
+  Flusher(const Flusher&) = delete;
+  Flusher& operator=(const Flusher&) = delete;
+
+  // A message waits: it is written within kCoalesce (once its pipe has room).
+  void arm();
+
+ private:
+  void loop();
+
+  std::function<std::vector<int>()> flush_;
+  std::atomic<bool> armed_{false};    // a message waits, and this thread will write it
+  std::atomic<bool> waiting_{false};  // the thread waits for room: arm() wakes it through wake_
+  std::mutex mu_;                     // stop_ and the thread's sleep
+  std::condition_variable cv_;
+  bool stop_ = false;
+  Fd wake_;  // an eventfd: arm() and the destructor while the thread waits for room
+  std::thread thread_;
 };
 
 }  // namespace twinkle::transport
