@@ -272,10 +272,10 @@ Flusher::Flusher(std::function<std::vector<int>()> flush) : flush_(std::move(flu
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_)
     throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
-  thread_ = std::thread([this] { loop(); });
 }
 
 Flusher::~Flusher() {
+  if (!thread_.joinable()) return;
   {
     std::lock_guard lock(mu_);
     stop_ = true;
@@ -287,6 +287,9 @@ Flusher::~Flusher() {
 }
 
 void Flusher::arm() {
+  // The thread starts with the first message that waits: a run whose messages never wait (round
+  // trips only) starts none.
+  if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
   if (armed_.exchange(true)) return;
   if (waiting_) {
     const std::uint64_t one = 1;

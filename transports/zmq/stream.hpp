@@ -119,7 +119,8 @@ class Flusher {
   Flusher(const Flusher&) = delete;
   Flusher& operator=(const Flusher&) = delete;
 
-  // A message waits: it is written within kCoalesce (once its pipe has room).
+  // A message waits: it is written within kCoalesce (once its pipe has room). Called by one
+  // thread only (the stream's writer), which starts the flusher's thread the first time.
   void arm();
 
  private:
