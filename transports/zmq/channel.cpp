@@ -78,10 +78,10 @@ class LocalWorkerLink : public WorkerLink {
   }
   void send(const Message& m) override {
     if (stream_.closed()) return;  // the driver is gone (on_lost ran): nobody waits for this
-    Frames frames = encode_message(m, shm_.get());
     const bool wait = unanswered_ > 0;
     bool waits = false;
     try {
+      Frames frames = encode_message(m, shm_.get());
       std::lock_guard lock(write_mu_);
       stream_.send(std::move(frames), !wait);
       waits = stream_.has_output();
@@ -353,12 +353,12 @@ void LocalDriverChannel::send(std::size_t peer, const Message& m) {
   // reports its loss, which fails or restarts what was sent to it, naming how it ended. What it
   // is sent meanwhile goes nowhere, and is not the run's error.
   if (p.stream->peer_gone()) return;
-  Frames frames = encode_message(m, p.shm.get());
   // A worker that has not answered since the last message it was sent is busy with it (or the
   // driver has not read its answer yet): this one can wait for the next, up to
   // Flusher::kCoalesce.
   const bool wait = p.unanswered > 0;
   try {
+    Frames frames = encode_message(m, p.shm.get());
     std::lock_guard lock(p.write_mu);
     p.stream->send(std::move(frames), !wait);
   } catch (const TransportError& e) {
