@@ -58,19 +58,14 @@ class LocalWorkerLink : public WorkerLink {
     if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
     flusher_ = std::make_unique<Flusher>([this] {
       std::vector<int> full;
-      std::lock_guard lock(write_mu_);
-      try {
-        if (stream_.has_output() && !stream_.flush()) full.push_back(stream_.out_fd());
-      } catch (const TransportError&) {
-        // The driver is gone: the worker's next read finds its end closed.
-      }
+      writes_.flush(stream_, full);  // a driver gone is found by the worker's next read
       return full;
     });
   }
   ~LocalWorkerLink() override {
     flusher_.reset();
     // What still waits goes before the worker exits (the driver reads until its workers exit).
-    std::lock_guard lock(write_mu_);
+    std::lock_guard lock(writes_.mu);
     try {
       if (stream_.has_output()) stream_.flush_wait(std::chrono::seconds(2));
     } catch (const TransportError&) {
@@ -78,18 +73,13 @@ class LocalWorkerLink : public WorkerLink {
   }
   void send(const Message& m) override {
     if (stream_.closed()) return;  // the driver is gone (on_lost ran): nobody waits for this
-    const bool wait = unanswered_ > 0;
     bool waits = false;
     try {
-      Frames frames = encode_message(m, shm_.get());
-      std::lock_guard lock(write_mu_);
-      stream_.send(std::move(frames), !wait);
-      waits = stream_.has_output();
+      waits = writes_.send(stream_, encode_message(m, shm_.get()));
     } catch (const TransportError& e) {
       lost(e.what());
       return;
     }
-    ++unanswered_;
     if (waits) flusher_->arm();
   }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
@@ -98,7 +88,7 @@ class LocalWorkerLink : public WorkerLink {
     for (;;) {
       bool read_data = false;
       auto frames = stream_.recv(&read_data);
-      if (read_data) unanswered_ = 0;
+      if (read_data) writes_.heard();
       if (frames) {
         try {
           return decode_message(std::move(*frames), shm_.get());
@@ -140,8 +130,7 @@ class LocalWorkerLink : public WorkerLink {
   }
 
   FrameStream stream_;
-  std::mutex write_mu_;      // the stream's write side: the worker's thread and the flusher
-  unsigned unanswered_ = 0;  // messages sent since something was last read from the driver
+  CoalescedWrites writes_;  // the stream's write side: the worker's thread and the flusher
   std::unique_ptr<ShmChannel> shm_;
   std::function<void(const std::string&)> on_lost_;
   bool lost_reported_ = false;
@@ -305,11 +294,8 @@ struct LocalDriverChannel::Peer {
   bool readable = false;  // the last poll said so, and no read emptied it since
   bool broken = false;    // its framing broke: reported once
   // The stream's write side: the driver's thread sends, and both it and the flusher write what
-  // waits.
-  std::mutex write_mu;
-  // Messages sent since something was last read from it (the driver's thread only): from the
-  // second on, a message waits to be written with the next (Flusher::kCoalesce).
-  unsigned unanswered = 0;
+  // waits (Flusher::kCoalesce).
+  CoalescedWrites writes;
 };
 
 LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
@@ -323,16 +309,7 @@ LocalDriverChannel::~LocalDriverChannel() = default;
 std::vector<int> LocalDriverChannel::flush_waiting() {
   std::vector<int> full;
   std::lock_guard peers(peers_mu_);
-  for (auto& p : peers_) {
-    std::lock_guard write(p->write_mu);
-    if (!p->stream->has_output()) continue;
-    try {
-      if (!p->stream->flush()) full.push_back(p->stream->out_fd());
-    } catch (const TransportError&) {
-      // That worker is gone (its launcher reports it), or the write failed: the next send to it
-      // says so.
-    }
-  }
+  for (auto& p : peers_) p->writes.flush(*p->stream, full);  // a worker gone: its launcher says so
   return full;
 }
 
@@ -354,19 +331,15 @@ void LocalDriverChannel::send(std::size_t peer, const Message& m) {
   // is sent meanwhile goes nowhere, and is not the run's error.
   if (p.stream->peer_gone()) return;
   // A worker that has not answered since the last message it was sent is busy with it (or the
-  // driver has not read its answer yet): this one can wait for the next, up to
-  // Flusher::kCoalesce.
-  const bool wait = p.unanswered > 0;
+  // driver has not read its answer yet): this one waits for the next, up to Flusher::kCoalesce.
+  bool waits = false;
   try {
-    Frames frames = encode_message(m, p.shm.get());
-    std::lock_guard lock(p.write_mu);
-    p.stream->send(std::move(frames), !wait);
+    waits = p.writes.send(*p.stream, encode_message(m, p.shm.get()));
   } catch (const TransportError& e) {
     if (p.stream->peer_gone()) return;
     throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
-  ++p.unanswered;
-  if (wait) flusher_->arm();
+  if (waits) flusher_->arm();
 }
 
 void LocalDriverChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
@@ -378,7 +351,7 @@ bool LocalDriverChannel::flush(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   bool all = true;
   for (auto& p : peers_) {
-    std::lock_guard lock(p->write_mu);
+    std::lock_guard lock(p->writes.mu);
     if (!p->stream->has_output() || p->stream->closed()) continue;
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -427,7 +400,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       if (!p->readable) continue;
       if (p->stream->read() == FrameStream::Read::data) {
         got = true;
-        p->unanswered = 0;
+        p->writes.heard();
         p->readable = !p->stream->drained();
       } else {
         p->readable = false;
@@ -453,7 +426,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       polled_.push_back(pollfd{open ? p->stream->in_fd() : -1, POLLIN, 0});
       bool out = false;
       if (open) {
-        std::lock_guard lock(p->write_mu);
+        std::lock_guard lock(p->writes.mu);
         out = p->stream->has_output();
       }
       polled_.push_back(pollfd{out ? p->stream->out_fd() : -1, POLLOUT, 0});
@@ -468,7 +441,7 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
       // POLLERR on a pipe's write end: its reader is gone (flush says so).
       if (polled_[2 * i + 1].revents & (POLLOUT | POLLERR)) {
         try {
-          std::lock_guard lock(peers_[i]->write_mu);
+          std::lock_guard lock(peers_[i]->writes.mu);
           peers_[i]->stream->flush();
         } catch (const TransportError&) {
           // That worker is gone: its launcher reports it.

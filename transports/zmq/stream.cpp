@@ -52,7 +52,7 @@ bool gone(int err) { return err == EPIPE || err == ECONNRESET || err == ENOTCONN
 
 }  // namespace
 
-FrameStream::FrameStream(Fd socket) : read_end_(std::move(socket)), socket_(true) {
+FrameStream::FrameStream(Fd socket) : read_end_(std::move(socket)) {
   make_non_blocking(read_end_.get());
   (void)::setsockopt(read_end_.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
   (void)::setsockopt(read_end_.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
@@ -110,7 +110,7 @@ void FrameStream::send(Frames&& frames, bool now) {
     while (done < count) {
       const std::size_t batch = std::min<std::size_t>(count - done, IOV_MAX);
       ssize_t n;
-      if (socket_) {
+      if (!write_end_) {
         msghdr msg{};
         msg.msg_iov = iov + done;
         msg.msg_iovlen = batch;
@@ -143,8 +143,8 @@ bool FrameStream::flush() {
   while (has_output()) {
     const char* data = out_.data() + out_begin_;
     const std::size_t size = out_.size() - out_begin_;
-    const ssize_t n = socket_ ? ::send(read_end_.get(), data, size, MSG_NOSIGNAL | MSG_DONTWAIT)
-                              : ::write(write_end_.get(), data, size);
+    const ssize_t n = write_end_ ? ::write(write_end_.get(), data, size)
+                                 : ::send(read_end_.get(), data, size, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
@@ -265,6 +265,24 @@ std::optional<Frames> FrameStream::recv(bool* read_data) {
     }
     if (read() != Read::data) return std::nullopt;
     if (read_data) *read_data = true;
+  }
+}
+
+bool CoalescedWrites::send(FrameStream& stream, Frames&& frames) {
+  const bool wait = unanswered > 0;
+  std::lock_guard lock(mu);
+  stream.send(std::move(frames), !wait);
+  ++unanswered;
+  return stream.has_output();
+}
+
+void CoalescedWrites::flush(FrameStream& stream, std::vector<int>& full) {
+  std::lock_guard lock(mu);
+  try {
+    if (stream.has_output() && !stream.flush()) full.push_back(stream.out_fd());
+  } catch (const TransportError&) {
+    // The other end is gone (peer_gone says so where the stream is read), or the write failed:
+    // the next send throws it.
   }
 }
 

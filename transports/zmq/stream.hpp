@@ -88,9 +88,8 @@ class FrameStream {
   // says why); what it sent is still read. Throws TransportError.
   [[noreturn]] void write_failed(int err);
 
-  Fd read_end_;           // read; written too when write_end_ is empty (a socket)
-  Fd write_end_;          // written, when it is not read_end_ (a pipe)
-  bool socket_ = false;   // written with sendmsg (MSG_NOSIGNAL), else writev
+  Fd read_end_;           // read; written too (with sendmsg, MSG_NOSIGNAL) when write_end_ is empty
+  Fd write_end_;          // written with writev, when it is not read_end_ (a pipe)
   std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
   std::size_t in_begin_ = 0, in_end_ = 0;
   std::size_t want_ = 0;   // bytes the message at in_begin_ needs in all (0: not known)
@@ -101,6 +100,23 @@ class FrameStream {
   std::atomic<bool> write_gone_{false};  // a write found the other end gone: reads go on to its end
   std::string write_error_;              // a write failed otherwise: nothing more is written
   std::string error_;
+};
+
+// A stream's write side shared by its writer's thread and a Flusher (LocalDriverChannel's peers,
+// LocalWorkerLink): the lock both take, and when a message waits for the ones after it.
+struct CoalescedWrites {
+  // Sends `frames` on `stream` under `mu`: at once when something came from the other end since
+  // the last message it was sent, else into the outbox. True when something waits there (the
+  // caller arms its Flusher). Throws as FrameStream::send.
+  bool send(FrameStream& stream, Frames&& frames);
+  // For the Flusher, under `mu`: writes what waits; adds the write end to `full` when its pipe is
+  // still full. A failed write is left for the next send to report.
+  void flush(FrameStream& stream, std::vector<int>& full);
+  // Something came from the other end (a read got bytes): the next message is written at once.
+  void heard() { unanswered = 0; }
+
+  std::mutex mu;            // the stream's write side: send, flush, flush_wait, has_output
+  unsigned unanswered = 0;  // messages sent since something came (the writer's thread only)
 };
 
 // A thread that writes what waits in streams' outboxes (FrameStream::send with `now` false)
