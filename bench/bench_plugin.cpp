@@ -120,12 +120,8 @@ double calls_per_second(twinkle::Handle& h, int n) {
   return n / std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-}  // namespace
-
-TWINKLE_DRIVER(calls, twinkle::Driver& d) {
-  const int n = d.args()["calls"].as<int>();
-  auto one = d.create<Bench>("one");
-  auto eight = d.create<Bench>("eight");
+// `n` round trips of a no-op call after 500 to warm up: their p50 and p99.
+void round_trips(twinkle::Handle& one, int n) {
   for (int i = 0; i < 500; ++i) one.call("noop").get();
   std::vector<double> rtt;
   for (int i = 0; i < n; ++i) {
@@ -135,6 +131,15 @@ TWINKLE_DRIVER(calls, twinkle::Driver& d) {
   }
   figure("call_rtt_p50", percentile(rtt, 0.5), "us");
   figure("call_rtt_p99", percentile(rtt, 0.99), "us");
+}
+
+}  // namespace
+
+TWINKLE_DRIVER(calls, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto one = d.create<Bench>("one");
+  auto eight = d.create<Bench>("eight");
+  round_trips(one, n);
   figure("pipelined_1_worker", calls_per_second(one, 5 * n), "calls/s");
   figure("pipelined_8_workers", calls_per_second(eight, n), "calls/s");
   std::vector<double> fan;
@@ -146,6 +151,13 @@ TWINKLE_DRIVER(calls, twinkle::Driver& d) {
     if (s != 8) throw std::runtime_error("fan-out sum is not 8");
   }
   figure("fanout_8_p50", percentile(fan, 0.5), "us");
+}
+
+// Only round trips to one worker, for profiling: `twinkle run bench.toml --set job.driver=rtt`.
+TWINKLE_DRIVER(rtt, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto one = d.create<Bench>("one");
+  round_trips(one, n);
 }
 
 // Only the pipelined figures, for profiling one phase: `twinkle run bench.toml --set

@@ -414,6 +414,32 @@ TEST_CASE("driver channel: a burst to a busy worker is written together, and all
   }
 }
 
+TEST_CASE("driver channel: a message waits no longer for a worker whose pipe another fills",
+          "[zmq]") {
+  // Worker 0 reads nothing, so what the driver sends it fills its pipe and the flusher waits for
+  // room there; a burst to worker 1 meanwhile still reaches it, without the driver reading.
+  LocalDriverChannel channel({"w0", "w1"});
+  auto link0 = local_link(channel, 0);
+  auto link1 = local_link(channel, 1);
+  const std::string pad(20000, 'p');
+  for (int i = 1; i <= 100; ++i)  // 2 MB: more than the pipe takes
+    channel.send(0, Message{static_cast<std::uint64_t>(i),
+                            proto::Call{1, "m", "x.cpp:1", encode(Value(pad)), {}}});
+  for (int i = 1; i <= 3; ++i)
+    channel.send(1, Message{static_cast<std::uint64_t>(i), proto::Shutdown{}});
+  for (int i = 1; i <= 3; ++i) {
+    auto m = link1->recv(5s);
+    REQUIRE(m);
+    REQUIRE(m->id == static_cast<std::uint64_t>(i));
+  }
+  // And worker 0 gets all of its own once it reads.
+  for (int i = 1; i <= 100; ++i) {
+    auto m = link0->recv(5s);
+    REQUIRE(m);
+    REQUIRE(m->id == static_cast<std::uint64_t>(i));
+  }
+}
+
 TEST_CASE("driver channel: tensors reach a local worker inline and in shared memory", "[zmq]") {
   LocalDriverChannel channel({"w0"});
   auto link = local_link(channel, 0);

@@ -35,9 +35,19 @@ void release_tensor(void*, void* hint) { delete static_cast<Tensor*>(hint); }
 void release_buffer(void* data, void*) { std::free(data); }
 
 // Frame 0 and the tensor frames of a message whose body `pack` writes.
+// Where frame 0 is packed: the thread's own buffer, kept from one message to the next.
+// Frame 0 of up to kScratchBody bytes is copied out of it (one allocation, ZeroMQ's, or none
+// under 34 bytes); a larger one takes the buffer along, and the next message starts a new one.
+constexpr std::size_t kScratchBody = 64 * 1024;
+msgpack::sbuffer& scratch_buffer() {
+  thread_local msgpack::sbuffer buf(1024);
+  return buf;
+}
+
 template <class Pack>
 Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
-  msgpack::sbuffer buf(256);
+  msgpack::sbuffer& buf = scratch_buffer();
+  buf.clear();
   unsigned char h[kHeaderSize];
   std::memcpy(h, kMagic, 4);
   put_le(h + 4, kProtocolVersion, 2);
@@ -80,7 +90,11 @@ Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
   Frames frames;
   frames.reserve(1 + tensors.size());
   const std::size_t size = buf.size();
-  frames.emplace_back(buf.release(), size, &release_buffer, nullptr);
+  if (size <= kScratchBody) {
+    frames.emplace_back(buf.data(), size);
+  } else {
+    frames.emplace_back(buf.release(), size, &release_buffer, nullptr);
+  }
   for (auto& t : tensors) {
     if (!t.defined() || t.nbytes() == 0) {
       frames.emplace_back();
@@ -96,12 +110,13 @@ Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
 // Strings and bytes stay in the frame while it is decoded: no copy into the parser's zone.
 bool reference_all(msgpack::type::object_type, std::size_t, void*) { return true; }
 
-msgpack::object_handle unpack_at(const char* data, std::size_t size, std::size_t& offset,
-                                 const char* what) {
+msgpack::object unpack_at(msgpack::zone& zone, const char* data, std::size_t size,
+                          std::size_t& offset, const char* what) {
   try {
     // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
     const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
-    return msgpack::unpack(data, size, offset, &reference_all, nullptr,
+    bool referenced = false;
+    return msgpack::unpack(zone, data, size, offset, referenced, &reference_all, nullptr,
                            msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 8));
   } catch (const std::exception& e) {
     throw ProtocolError(
@@ -112,9 +127,12 @@ msgpack::object_handle unpack_at(const char* data, std::size_t size, std::size_t
 struct Unframed {
   MsgType type;
   std::uint64_t id;
-  msgpack::object_handle body;  // strings in it point into frame 0
+  msgpack::object body;  // in the caller's zone; strings in it point into frame 0
   std::vector<Tensor> tensors;
-  std::shared_ptr<Frames> frames;  // keeps frame 0 while the body is converted
+  // Keep frame 0 while the body is converted: shared with the tensors that view the others when
+  // there are tensor frames, else the frames themselves.
+  std::shared_ptr<Frames> shared;
+  Frames frames;
 };
 
 std::int64_t checked_int(const msgpack::object& o, const char* what, std::size_t i) {
@@ -125,7 +143,7 @@ std::int64_t checked_int(const msgpack::object& o, const char* what, std::size_t
   throw ProtocolError(fmt::format("malformed message: tensor {} has a bad {}", i, what));
 }
 
-Unframed unframe(Frames&& frames, ShmChannel* channel) {
+Unframed unframe(Frames&& frames, ShmChannel* channel, msgpack::zone& zone) {
   if (frames.empty()) throw ProtocolError("malformed message: no frames");
   const zmq::message_t& f0 = frames[0];
   if (f0.size() < kHeaderSize || std::memcmp(f0.data(), kMagic, 4) != 0) {
@@ -147,25 +165,28 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
     throw ProtocolError(fmt::format("malformed message: unknown type {}", type));
   u.id = get_le(h + 8, 8);
 
-  // The frames are owned by shared storage so that received tensors can view them.
-  auto owned = std::make_shared<Frames>(std::move(frames));
-  const char* data = static_cast<const char*>((*owned)[0].data());
-  const std::size_t size = (*owned)[0].size();
+  // With tensor frames, the frames are owned by shared storage so that the tensors can view them.
+  const std::size_t n_tensors = frames.size() - 1;
+  if (n_tensors > 0) {
+    u.shared = std::make_shared<Frames>(std::move(frames));
+  } else {
+    u.frames = std::move(frames);
+  }
+  Frames& owned = u.shared ? *u.shared : u.frames;
+  const char* data = static_cast<const char*>(owned[0].data());
+  const std::size_t size = owned[0].size();
   std::size_t offset = kHeaderSize;
   if (offset == size) throw ProtocolError("malformed message: no body after the header");
-  u.body = unpack_at(data, size, offset, "body");
-  const std::size_t n_tensors = owned->size() - 1;
+  u.body = unpack_at(zone, data, size, offset, "body");
   if (offset == size) {
     if (n_tensors != 0) {
       throw ProtocolError(
           fmt::format("malformed message: {} tensor frame(s) and no tensor table", n_tensors));
     }
-    u.frames = std::move(owned);
     return u;
   }
-  msgpack::object_handle th = unpack_at(data, size, offset, "tensor table");
+  const msgpack::object t = unpack_at(zone, data, size, offset, "tensor table");
   if (offset != size) throw ProtocolError("malformed message: trailing bytes after the table");
-  const msgpack::object& t = th.get();
   if (t.type != msgpack::type::ARRAY || t.via.array.size != 2 ||
       t.via.array.ptr[0].type != msgpack::type::ARRAY ||
       t.via.array.ptr[1].type != msgpack::type::ARRAY) {
@@ -223,10 +244,10 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
       u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
       continue;
     }
-    auto& fr = (*owned)[1 + i];
+    auto& fr = owned[1 + i];
     try {
       u.tensors.push_back(Tensor::view(dt, shape, fr.data(), fr.size(),
-                                       std::shared_ptr<const void>(owned, fr.data())));
+                                       std::shared_ptr<const void>(u.shared, fr.data())));
     } catch (const ValueError& e) {
       throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
     }
@@ -238,14 +259,14 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
           static_cast<std::uint64_t>(checked_int(rel.via.array.ptr[k], "released id", k)));
     }
   }
-  u.frames = std::move(owned);
   return u;
 }
 
 template <class Body, class Unpack>
 Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType),
                          Unpack&& unpack_body) {
-  Unframed u = unframe(std::move(frames), channel);
+  twinkle::detail::ScratchZone zone;
+  Unframed u = unframe(std::move(frames), channel, zone.get());
   if (!family(u.type)) {
     throw ProtocolError(fmt::format(
         "malformed message: a {} message is not expected on this socket", to_string(u.type)));
@@ -253,7 +274,7 @@ Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(Ms
   Envelope<Body> m;
   m.id = u.id;
   try {
-    m.body = unpack_body(u.type, u.body.get(), u.tensors);
+    m.body = unpack_body(u.type, u.body, u.tensors);
   } catch (const ProtocolError& e) {
     throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   }

@@ -322,6 +322,8 @@ void Flusher::arm() {
 void Flusher::loop() {
   // A sleep of kCoalesce, not of the default timer slack (50 us) more.
   (void)::prctl(PR_SET_TIMERSLACK, 1000UL);
+  const auto coalesce_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(kCoalesce).count();
+  const timespec coalesce{0, static_cast<long>(coalesce_ns)};
   std::unique_lock lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || armed_.load(); });
@@ -335,24 +337,32 @@ void Flusher::loop() {
     std::vector<int> full = flush_();
     std::vector<pollfd> fds;
     while (!full.empty()) {
-      // Room in a full pipe, a message that waits for another (arm), or the end.
-      waiting_ = true;
+      // Room in a full pipe, or kCoalesce after a message waited meanwhile (to a stream that may
+      // have room), or the end. An arm rings wake_ once (armed_ stays set until the next flush),
+      // so a writer that keeps sending to a full pipe wakes this thread at most once a kCoalesce,
+      // not once a message.
       fds.clear();
       for (int fd : full) fds.push_back(pollfd{fd, POLLOUT, 0});
       fds.push_back(pollfd{wake_.get(), POLLIN, 0});
-      if (!armed_) {
-        int rc;
-        do {
-          rc = ::poll(fds.data(), fds.size(), -1);
-        } while (rc < 0 && errno == EINTR);
-      }
+      waiting_ = true;
+      const bool armed = armed_;
+      int rc;
+      do {
+        rc = ::ppoll(fds.data(), fds.size(), armed ? &coalesce : nullptr, nullptr);
+      } while (rc < 0 && errno == EINTR);
       waiting_ = false;
-      std::uint64_t n;
-      (void)!::read(wake_.get(), &n, sizeof n);
+      if (fds.back().revents) {
+        std::uint64_t n;
+        (void)!::read(wake_.get(), &n, sizeof n);
+      }
       {
         std::lock_guard stop(mu_);
         if (stop_) return;
       }
+      const bool room =
+          std::any_of(fds.begin(), fds.end() - 1, [](const pollfd& p) { return p.revents != 0; });
+      // Rung by an arm: the message is written with the others a kCoalesce from now.
+      if (!room && !(armed && rc == 0)) continue;
       armed_ = false;
       full = flush_();
     }

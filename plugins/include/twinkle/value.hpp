@@ -652,22 +652,64 @@ inline EncodedValue encode(const Value& v) {
   return out;
 }
 
+namespace detail {
+
+// The zone a decode's msgpack objects live in while they are converted: the thread's own, cleared
+// and reused from one decode to the next (its first chunk stays: a small decode allocates nothing
+// for its objects), or a zone of its own for a decode that starts while the thread's is in use.
+class ScratchZone {
+ public:
+  ScratchZone() {
+    if (busy()) {
+      own_ = std::make_unique<msgpack::zone>(kChunk);
+      zone_ = own_.get();
+    } else {
+      busy() = true;
+      zone_ = &shared();
+      zone_->clear();
+    }
+  }
+  ~ScratchZone() {
+    if (!own_) busy() = false;
+  }
+  ScratchZone(const ScratchZone&) = delete;
+  ScratchZone& operator=(const ScratchZone&) = delete;
+  msgpack::zone& get() { return *zone_; }
+
+ private:
+  static constexpr std::size_t kChunk = 4096;
+  static msgpack::zone& shared() {
+    thread_local msgpack::zone z(kChunk);
+    return z;
+  }
+  static bool& busy() {
+    thread_local bool b = false;
+    return b;
+  }
+  msgpack::zone* zone_ = nullptr;
+  std::unique_ptr<msgpack::zone> own_;
+};
+
+}  // namespace detail
+
 // Decodes msgpack bytes whose tensor extensions refer to `tensors`. Throws ValueError on malformed
 // input (truncated bytes, trailing bytes, a bad tensor index).
 inline Value decode(const void* data, std::size_t size, const std::vector<Tensor>& tensors) {
   std::size_t offset = 0;
-  msgpack::object_handle oh;
+  detail::ScratchZone zone;
+  msgpack::object o;
   try {
     // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
     // Containers cannot hold more items than the input has bytes.
     const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
-    oh = msgpack::unpack(static_cast<const char*>(data), size, offset, nullptr, nullptr,
-                         msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 1));
+    bool referenced = false;
+    o = msgpack::unpack(zone.get(), static_cast<const char*>(data), size, offset, referenced,
+                        nullptr, nullptr, msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 1));
   } catch (const std::exception& e) {
     throw ValueError(std::string("malformed value: ") + e.what());
   }
   if (offset != size) throw ValueError("malformed value: trailing bytes after the value");
-  return detail::unpack_value(oh.get(), tensors, 0);
+  return detail::unpack_value(o, tensors, 0);
 }
 
 // Decodes a value in its boundary form.
