@@ -14,18 +14,41 @@ std::string CallChain::link_text(const proto::ChainLink& f) {
                      f.caller.empty() ? "" : " (called at " + f.caller + ")");
 }
 
-std::string CallChain::current() const { return chain_.empty() ? name_ : link_text(chain_.back()); }
+std::string CallChain::current() const {
+  const Chain& c = chain();
+  return c.empty() ? name_ : link_text(c.back());
+}
 
-void CallChain::begin(const Chain& chain, bool from_driver, const std::string& what,
+void CallChain::begin(const Chain& chain, bool from_driver, std::function<std::string()> what,
                       const std::string& caller) {
-  chain_ = from_driver ? Chain{proto::ChainLink{"driver", 0, "entry", caller}} : chain;
+  incoming_ = &chain;
+  caller_ = &caller;
+  what_ = std::move(what);
+  from_driver_ = from_driver;
+  built_ = false;
   token_ = ++tokens_;
-  chain_.push_back(proto::ChainLink{name_, token_, what, from_driver ? "" : caller});
   busy_ = true;
+}
+
+const CallChain::Chain& CallChain::chain() const {
+  if (!busy_ || built_) return chain_;
+  chain_.clear();
+  if (from_driver_) {
+    chain_.push_back(proto::ChainLink{"driver", 0, "entry", *caller_});
+  } else {
+    chain_ = *incoming_;
+  }
+  chain_.push_back(proto::ChainLink{name_, token_, what_(), from_driver_ ? "" : *caller_});
+  built_ = true;
+  return chain_;
 }
 
 void CallChain::end() {
   busy_ = false;
+  built_ = false;
+  incoming_ = nullptr;
+  caller_ = nullptr;
+  what_ = nullptr;
   chain_.clear();
 }
 

@@ -32,17 +32,22 @@ class CallChain {
 
   CallChain(std::string name, Peers peers) : name_(std::move(name)), peers_(std::move(peers)) {}
 
-  // Runs `f` as this worker's current call, `what` ("Trainer.step") asked by `caller` (its call
+  // Runs `f` as this worker's current call, `what()` ("Trainer.step") asked by `caller` (its call
   // site) along `chain`; from the driver (`from_driver`) the chain starts at the driver's entry.
-  // The calls this worker makes meanwhile carry chain().
+  // The calls this worker makes meanwhile carry chain(). `chain` and `caller` must outlive `f`;
+  // `what` is asked only when the chain is needed (a call to another group, a cycle check, a
+  // probe), so that a call that needs none costs no string.
   template <class F>
-  void run(const Chain& chain, bool from_driver, const std::string& what, const std::string& caller,
-           F&& f) {
-    begin(chain, from_driver, what, caller);
+  void run(const Chain& chain, bool from_driver, std::function<std::string()> what,
+           const std::string& caller, F&& f) {
+    begin(chain, from_driver, std::move(what), caller);
+    struct End {
+      CallChain& c;
+      ~End() { c.end(); }
+    } end{*this};
     f();
-    end();
   }
-  const Chain& chain() const { return chain_; }
+  const Chain& chain() const;
   bool busy() const { return busy_; }
 
   // The cycle that running request `what` (asked at `caller`, along `chain`, by worker `from`)
@@ -61,7 +66,7 @@ class CallChain {
   static std::string link_text(const transport::proto::ChainLink& f);
 
  private:
-  void begin(const Chain& chain, bool from_driver, const std::string& what,
+  void begin(const Chain& chain, bool from_driver, std::function<std::string()> what,
              const std::string& caller);
   void end();
   std::string current() const;
@@ -69,7 +74,13 @@ class CallChain {
 
   std::string name_;
   Peers peers_;
-  Chain chain_;
+  // The current call as begin() got it; chain_ is made from it when first needed.
+  const Chain* incoming_ = nullptr;
+  const std::string* caller_ = nullptr;
+  std::function<std::string()> what_;
+  bool from_driver_ = false;
+  mutable Chain chain_;
+  mutable bool built_ = false;
   bool busy_ = false;
   std::uint64_t tokens_ = 0, token_ = 0;  // the current call's number
 };

@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <memory>
 
@@ -19,13 +18,15 @@
 #include <zmq.hpp>
 
 #include "core/job/values.hpp"
-#include "core/runtime/call_chain.hpp"
 #include "core/runtime/call_table.hpp"
 #include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
+#include "core/runtime/group_calls.hpp"
 #include "core/runtime/host_abi.hpp"
+#include "core/runtime/inbox.hpp"
 #include "core/runtime/instances.hpp"
 #include "core/runtime/run_as.hpp"
+#include "core/runtime/state_copy.hpp"
 #include "plugins/loader.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/peers.hpp"
@@ -39,10 +40,6 @@ namespace {
 using transport::Message;
 using transport::MsgType;
 namespace proto = transport::proto;
-using Chain = std::vector<proto::ChainLink>;
-
-// How often a worker waiting for another group looks for a cycle of calls (probes).
-constexpr auto kProbeInterval = std::chrono::milliseconds(300);
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
@@ -184,7 +181,7 @@ class Worker : public HostOps {
       comms_ = std::make_unique<Communicators>(
           zmq_, CommunicatorSetup{group_, rank_, world_, *mesh_, device_, welcome->collectives,
                                   timeout_, welcome->kv, security_, node_ip_, welcome->generation});
-      peers_from(*welcome);
+      welcomed(*welcome);
       if (welcome->resume && !welcome->resume->file.empty()) {
         std::optional<checkpoint::Part> part;
         std::string error;
@@ -201,22 +198,13 @@ class Worker : public HostOps {
       return false;
     }
 
-    // One call at a time, in arrival order, from the driver or from other workers. While a call
-    // waits for another group, PeerChannel::next runs the same handlers: they queue what must
-    // wait and answer at once what would otherwise never finish (a cycle of calls).
+    // One call at a time, in arrival order, from the driver or from other workers (Inbox).
     for (;;) {
-      if (!queue_.empty()) {
-        Pending p = std::move(queue_.front());
-        queue_.pop_front();
-        if (!run_one(p)) return true;
+      if (auto p = inbox_->take()) {
+        if (!run_one(*p)) return true;
         continue;
       }
-      // Both sockets are read until empty before waiting (wait_readable's condition).
-      on_link_ready();
-      on_serve_ready();
-      if (queue_.empty())
-        transport::wait_readable({link_->waitable(), serve_->socket()}, -1,
-                                 std::chrono::milliseconds(-1));
+      inbox_->wait();
     }
   }
 
@@ -228,23 +216,19 @@ class Worker : public HostOps {
 
   std::uint64_t create(std::string_view cls_name, std::string_view group,
                        const twk_value_v1& args) override {
-    const plugins::ClassInfo& cls = known_class(cls_name, "create");
-    const std::size_t gi = known_group(group, "create " + std::string(cls_name));
-    EncodedValue a = peers_->adopt(args);
-    const std::uint64_t id = table_->create(cls, gi, a, PeerCaller{rank_, world_}, calls_->chain());
+    auto [id, made] = group_calls_->create(cls_name, group, args, rank_, world_);
     // The driver records it, so that a restart of that group makes it there again.
-    link_->send(Message{id, proto::Made{gi, table_->workers_of(id), cls.name, std::move(a)}});
+    link_->send(Message{id, std::move(made)});
     return id;
   }
 
   std::uint64_t call(std::uint64_t instance, std::string_view method, const twk_value_v1& args,
                      const std::string& caller) override {
-    return table_->call(instance, method, peers_->adopt(args), caller, PeerCaller{rank_, world_},
-                        calls_->chain());
+    return group_calls_->call(instance, method, args, caller, rank_, world_);
   }
 
-  EncodedValue wait(std::uint64_t future) override { return table_->wait(future); }
-  void release(std::uint64_t future) noexcept override { table_->release(future); }
+  EncodedValue wait(std::uint64_t future) override { return group_calls_->wait(future); }
+  void release(std::uint64_t future) noexcept override { group_calls_->release(future); }
 
   void comm_create(std::string_view name, const Value&, double) override {
     throw CallError(
@@ -254,19 +238,12 @@ class Worker : public HostOps {
   }
 
   void attach(std::string_view cls_name, std::string_view group, std::uint64_t instance) override {
-    const plugins::ClassInfo& cls = known_class(cls_name, "handle");
-    table_->attach(instance, cls, known_group(group, "handle of " + std::string(cls_name)));
+    group_calls_->attach(cls_name, group, instance);
   }
 
   Communicators* communicators() override { return comms_.get(); }
 
  private:
-  // Something to run: a message from the driver (`from` empty) or a request from another worker.
-  struct Pending {
-    std::string from;
-    Message message;
-  };
-
   // Local workers serve on a Unix socket in the run folder; remote ones on TCP at their node's
   // address, with the run's keys when the cluster uses keys.
   std::string serve_endpoint() {
@@ -279,64 +256,20 @@ class Worker : public HostOps {
     return "ipc://" + path;
   }
 
-  // The run's groups and workers (the welcome), for this worker's calls to other groups.
-  void peers_from(const proto::Welcome& welcome) {
-    std::vector<GroupInfo> groups;
-    for (const auto& g : welcome.groups) {
-      GroupInfo info;
-      info.name = g.name;
-      info.mesh = mesh_from_value(g.mesh);
-      for (const auto p : g.peers) info.peers.push_back(p);
-      groups.push_back(std::move(info));
-    }
-    std::vector<WorkerInfo> workers;
-    std::vector<std::string> names, endpoints;
-    for (const auto& w : welcome.workers) {
-      WorkerInfo info;
-      info.name = w.name;
-      info.group = w.group;
-      info.index = w.index;
-      info.pid = w.pid;
-      info.host = w.host;
-      info.serve = w.serve;
-      info.ready = true;
-      names.push_back(info.name);
-      endpoints.push_back(info.serve);
-      workers.push_back(std::move(info));
-    }
-    self_ = welcome.self;
+  // The welcome's workers and groups: this worker's calls to other groups, what it is asked to
+  // do, and its side of restarts.
+  void welcomed(const proto::Welcome& welcome) {
+    std::vector<std::string> endpoints;
+    for (const auto& w : welcome.workers) endpoints.push_back(w.serve);
     remember_peer_sockets(endpoints);
-    transport::SocketSecurity client;
-    if (security_.keys) {
-      client.keys = security_.keys;
-      client.server_key = security_.keys->public_key;  // every worker of the run has this pair
-    }
-    peers_ = std::make_unique<transport::PeerChannel>(zmq_, name_, std::move(names),
-                                                      std::move(endpoints), client);
-    peers_->watch(link_->waitable(), [this] { on_link_ready(); });
-    peers_->watch(serve_->socket(), [this] { on_serve_ready(); });
-    peers_->every(kProbeInterval, [this] { calls_->send_probes(); });
-    CustomFunctions custom{[this](std::string_view n) { return plugin_.find_dispatcher(n); },
-                           [this](std::string_view n) { return plugin_.find_collector(n); }};
-    const double timeout_s = std::chrono::duration<double>(timeout_).count();
-    table_ = std::make_unique<CallTable>(*peers_, std::move(groups), std::move(workers),
-                                         std::move(custom), timeout_s,
-                                         static_cast<std::uint64_t>(self_ + 1) << 40);
-    table_->set_caller_label("worker caller");
-    calls_ = std::make_unique<CallChain>(
-        name_, CallChain::Peers{[this] { return table_->waiting_peers(); },
-                                [this](const std::string& n) { return peer_index(n); },
-                                [this](std::size_t p, const proto::Probe& probe) {
-                                  try {
-                                    peers_->send(p, Message{0, probe});
-                                  } catch (const TransportError&) {
-                                    // That worker is gone: the driver tells everyone.
-                                  }
-                                },
-                                [this](std::size_t p, const std::string& error) {
-                                  table_->fail_waiting(p, error);
-                                  peers_->wake();  // the waiting call sees its error now
-                                }});
+    group_calls_ = std::make_unique<GroupCalls>(
+        zmq_, name_, welcome, plugin_, security_, timeout_,
+        GroupCalls::Watched{link_->waitable(), [this] { inbox_->read_link(); }, serve_->socket(),
+                            [this] { inbox_->read_serve(); }});
+    inbox_ = std::make_unique<Inbox>(*link_, *serve_, *group_calls_, *comms_,
+                                     [this](const Message& m) { return request_what(m); });
+    state_copy_ =
+        std::make_unique<StateCopy>(name_, instances_, *comms_, *serve_, *group_calls_, timeout_);
   }
 
   // For the parent-death handler: the local workers' socket files in this run's folder.
@@ -355,95 +288,6 @@ class Worker : public HostOps {
     g_peer_socket_count = paths->size();
   }
 
-  const plugins::ClassInfo& known_class(std::string_view name, const std::string& what) const {
-    if (const plugins::ClassInfo* cls = plugin_.find_class(name)) return *cls;
-    std::vector<std::string> names;
-    for (const auto& c : plugin_.classes()) names.push_back(c.name);
-    throw CallError(fmt::format("{}: the plugin has no class {} (it has: {})", what, name,
-                                fmt::join(names, ", ")));
-  }
-
-  std::size_t known_group(std::string_view name, const std::string& what) const {
-    if (auto gi = table_->find_group(name)) return *gi;
-    std::vector<std::string> names;
-    for (const auto& g : table_->groups()) names.push_back(g.name);
-    throw CallError(fmt::format("{}: the job has no group \"{}\" (it has: {})", what, name,
-                                fmt::join(names, ", ")));
-  }
-
-  // Messages from the driver: a lost worker and a communicator's membership take effect at
-  // once (a call in progress may need them); the rest waits its turn.
-  void on_link_ready() {
-    while (auto m = link_->recv(std::chrono::milliseconds(0))) {
-      if (auto* lost = m->get<proto::PeerLost>()) {
-        if (peers_) peers_->lost(lost->peer, std::move(lost->text));
-      } else if (auto* join = m->get<proto::CommJoin>()) {
-        comms_->join(*join);
-      } else if (auto* moved = m->get<proto::PeersReplaced>()) {
-        // A group restarted: its new workers serve elsewhere; calls waiting on the old fail.
-        if (!table_ || !peers_) continue;
-        for (const auto& w : moved->workers) {
-          const auto peer = peer_index(w.name);
-          if (!peer || *peer == self_) continue;
-          table_->replace_worker(*peer, w.pid, w.host, w.serve, moved->text);
-          peers_->repoint(*peer, w.serve);
-        }
-        peers_->wake();
-      } else if (m->get<proto::Create>() || m->get<proto::Call>() || m->get<proto::Shutdown>() ||
-                 m->get<proto::Save>() || m->get<proto::Regroup>() || m->get<proto::Recover>()) {
-        queue_.push_back(Pending{"", std::move(*m)});
-      } else {
-        link_->drop(fmt::format("a {} message from the driver is not for a worker",
-                                transport::to_string(m->type())));
-      }
-    }
-  }
-
-  // Requests from other workers. While this worker is in a call, one that this call (directly
-  // or through others) waits for is a cycle: answered at once with an error naming it.
-  void on_serve_ready() {
-    while (auto r = serve_->recv(std::chrono::milliseconds(0))) {
-      Message& m = r->message;
-      if (!peer_index(r->from)) {
-        // Not a worker of this run (it cannot be one: they all are in the address book).
-        serve_->drop(fmt::format("a {} message from \"{}\", not a worker of this run",
-                                 transport::to_string(m.type()), r->from.substr(0, 64)));
-        continue;
-      }
-      if (auto* probe = m.get<proto::Probe>()) {
-        calls_->on_probe(*probe);
-        continue;
-      }
-      if (m.get<proto::StatePull>()) {  // a replacement of this worker's group: in turn
-        queue_.push_back(Pending{std::move(r->from), std::move(m)});
-        continue;
-      }
-      if (!m.get<proto::Create>() && !m.get<proto::Call>()) {
-        serve_->drop(fmt::format("a {} message from worker {} is not a call",
-                                 transport::to_string(m.type()), r->from));
-        continue;
-      }
-      {
-        if (auto cycle = calls_->find_cycle(chain_of(m), r->from, request_what(m), caller_of(m))) {
-          if (m.get<proto::Create>()) {
-            serve_->reply(r->from, Message{m.id, proto::Created{*cycle}});
-          } else {
-            serve_->reply(r->from, Message{m.id, proto::Reply{*cycle, {}}});
-          }
-          continue;
-        }
-      }
-      queue_.push_back(Pending{std::move(r->from), std::move(m)});
-    }
-  }
-
-  std::optional<std::size_t> peer_index(const std::string& name) const {
-    for (std::size_t i = 0; i < table_->workers().size(); ++i) {
-      if (table_->workers()[i].name == name) return i;
-    }
-    return std::nullopt;
-  }
-
   // "Trainer.step" for a request (the class from this worker's instances when it has it).
   std::string request_what(const Message& m) const {
     if (const auto* c = m.get<proto::Create>()) return c->cls + " constructor";
@@ -452,21 +296,9 @@ class Worker : public HostOps {
     return instances_.class_of(call->instance) + "." + call->method;
   }
 
-  static const Chain& chain_of(const Message& m) {
-    static const Chain none;
-    if (const auto* c = m.get<proto::Create>()) return c->chain;
-    if (const auto* c = m.get<proto::Call>()) return c->chain;
-    return none;
-  }
-
-  static std::string caller_of(const Message& m) {
-    if (const auto* c = m.get<proto::Call>()) return c->caller;
-    return "";
-  }
-
   // Runs one queued message; false after a shutdown.
-  bool run_one(Pending& p) {
-    const std::string from = p.from;
+  bool run_one(Inbox::Pending& p) {
+    const std::string& from = p.from;
     auto reply = [this, &from](Message m) {
       if (from.empty()) {
         link_->send(m);
@@ -476,23 +308,19 @@ class Worker : public HostOps {
     };
     Message& m = p.message;
     if (auto* c = m.get<proto::Create>()) {
-      taken_.reset();  // the state taken for a replacement is not this worker's any more
+      state_copy_->changed();
       execute(m, from, [&] { reply(Message{m.id, instances_.create(*c, m.id, from)}); });
     } else if (auto* c = m.get<proto::Call>()) {
-      taken_.reset();
+      state_copy_->changed();
       execute(m, from, [&] { reply(Message{m.id, instances_.call(*c, adopt_for(from))}); });
     } else if (auto* s = m.get<proto::Save>()) {
       reply(Message{m.id, instances_.save(*s)});
     } else if (auto* g = m.get<proto::Regroup>()) {
-      regroup(*g);
-    } else if (auto* pull = m.get<proto::StatePull>()) {
-      if (pull->generation > comms_->generation()) {
-        held_pulls_.push_back(std::move(p));  // served once this worker is regrouped
-      } else {
-        reply(Message{m.id, take_state()});
-      }
+      state_copy_->regroup(*g);
+    } else if (m.get<proto::StatePull>()) {
+      state_copy_->pull(std::move(p));
     } else if (auto* r = m.get<proto::Recover>()) {
-      reply(Message{m.id, recover(*r)});
+      reply(Message{m.id, state_copy_->recover(*r)});
     } else if (m.get<proto::Shutdown>()) {
       instances_.clear();
       comms_->clear();
@@ -505,7 +333,9 @@ class Worker : public HostOps {
   // call back into it is recognised as a cycle).
   template <class F>
   void execute(const Message& m, const std::string& from, F&& f) {
-    calls_->run(chain_of(m), from.empty(), request_what(m), caller_of(m), std::forward<F>(f));
+    group_calls_->chain().run(
+        Inbox::chain_of(m), from.empty(), [this, &m] { return request_what(m); },
+        Inbox::caller_of(m), std::forward<F>(f));
   }
 
   twk_context_v1 context() const {
@@ -524,91 +354,11 @@ class Worker : public HostOps {
     return c;
   }
 
-  // ----- restart = "worker" (docs/ARCHITECTURE.md, Restarts) --------------------------------
-
-  // Everything sent before this was of the group as it was: the group's communicators are made
-  // again at the new generation (their rendezvous keys are new, so the replacements meet the
-  // survivors there), and replacements that asked for this worker's state get it now. A donor
-  // takes its state here, while its replacement starts: the copy into new shared memory is then
-  // off the replacement's path, and nothing can change the state before the pull but a call or
-  // create that this worker runs first (calls to the group wait for it to be back).
-  void regroup(const proto::Regroup& g) {
-    comms_->regroup(std::max(comms_->generation(), g.generation));
-    taken_.reset();
-    if (g.donor) taken_ = state();
-    std::vector<Pending> held = std::move(held_pulls_);
-    held_pulls_.clear();
-    for (Pending& p : held) {
-      if (p.message.get<proto::StatePull>()->generation > comms_->generation()) {
-        held_pulls_.push_back(std::move(p));
-      } else {
-        serve_->reply(p.from, Message{p.message.id, take_state()});
-      }
-    }
-  }
-
-  // This worker's state for a replacement, its tensors in shared memory for a local one.
-  proto::State state() {
-    return instances_.state(name_, [this](const twk_value_v1& v) {
-      return transport::adopt_to_shm(v, serve_->pool());
-    });
-  }
-
-  // The state taken at the regroup when nothing ran since, else the state now.
-  proto::State take_state() {
-    if (!taken_) return state();
-    proto::State s = std::move(*taken_);
-    taken_.reset();
-    return s;
-  }
-
   // How a method's result leaves the plugin's memory: for the driver by its link (shared memory
   // locally), for another worker into shared memory.
   Instances::Adopt adopt_for(const std::string& from) {
     if (from.empty()) return [this](const twk_value_v1& v) { return link_->adopt(v); };
     return [this](const twk_value_v1& v) { return transport::adopt_to_shm(v, serve_->pool()); };
-  }
-
-  // A replacement's instances take the state of the same instances on `donor`, a surviving
-  // replica, worker to worker: asked for on the donor's socket for calls, loaded with load().
-  proto::Recovered recover(const proto::Recover& r) {
-    const auto& workers = table_->workers();
-    if (r.donor >= workers.size() || r.donor == self_)
-      return proto::Recovered{fmt::format("no worker {} to recover from", r.donor), 0, 0, 0};
-    const std::string donor = workers[r.donor].name;
-    const std::string what = fmt::format("recovering the state of {} from {}", name_, donor);
-    const std::uint64_t id =
-        (static_cast<std::uint64_t>(self_ + 1) << 40) | (std::uint64_t{1} << 39);
-    const auto started = std::chrono::steady_clock::now();
-    try {
-      peers_->send(r.donor, Message{id, proto::StatePull{r.generation}});
-    } catch (const std::exception& e) {
-      return proto::Recovered{fmt::format("{}: {}", what, e.what()), 0, 0, 0};
-    }
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    std::optional<proto::State> got;
-    while (!got) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) {
-        return proto::Recovered{fmt::format("{}: no answer in {:g} s (the job's timeout_s)", what,
-                                            std::chrono::duration<double>(timeout_).count()),
-                                0, 0, 0};
-      }
-      auto e = peers_->next(left);
-      if (!e || e->peer != r.donor) continue;
-      if (e->kind == transport::ChannelEvent::Kind::lost)
-        return proto::Recovered{fmt::format("{}: {} was lost: {}", what, donor, e->reason), 0, 0,
-                                0};
-      if (e->kind != transport::ChannelEvent::Kind::message || e->message.id != id) continue;
-      if (auto* st = e->message.get<proto::State>()) got = std::move(*st);
-    }
-    if (got->error) return proto::Recovered{fmt::format("{}: {}", what, *got->error), 0, 0, 0};
-    const Instances::Loaded loaded = instances_.load(got->entries, what);
-    if (loaded.error) return proto::Recovered{loaded.error, loaded.instances, loaded.bytes, 0};
-    return proto::Recovered{
-        std::nullopt, loaded.instances, loaded.bytes,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()};
   }
 
   WorkerOptions options_;
@@ -623,18 +373,14 @@ class Worker : public HostOps {
   std::unique_ptr<MeshAbi> mesh_abi_;
   Instances instances_{plugin_, host_, [this] { return context(); }};
   std::chrono::milliseconds timeout_{600'000};
-  std::unique_ptr<Communicators> comms_;  // after the welcome
-  transport::SocketSecurity security_;    // remote workers: the run's keys
-  std::string node_ip_;                   // remote workers: where peers reach this node
-  // Calls between groups.
+  std::unique_ptr<Communicators> comms_;           // after the welcome
+  transport::SocketSecurity security_;             // remote workers: the run's keys
+  std::string node_ip_;                            // remote workers: where peers reach this node
   std::unique_ptr<transport::ServeSocket> serve_;  // calls from other workers
-  std::unique_ptr<transport::PeerChannel> peers_;  // this worker's connections to the others
-  std::unique_ptr<CallTable> table_;               // this worker's calls to other groups
-  std::size_t self_ = 0;                           // this worker's index in the run
-  std::deque<Pending> queue_;                      // what waits its turn
-  std::vector<Pending> held_pulls_;    // state pulls of a newer generation than this worker's
-  std::optional<proto::State> taken_;  // a donor's state, taken at its regroup
-  std::unique_ptr<CallChain> calls_;   // what runs now, and the cycle checks
+  // After the welcome:
+  std::unique_ptr<GroupCalls> group_calls_;  // this worker's calls to other groups
+  std::unique_ptr<Inbox> inbox_;             // what it is asked to do, in turn
+  std::unique_ptr<StateCopy> state_copy_;    // its side of restarts with recover = "peer"
 };
 
 }  // namespace
