@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -24,6 +25,8 @@ void* module_symbol(const std::string& name, const char* symbol) {
     std::error_code ec;
     const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
     std::vector<std::filesystem::path> places;
+    if (const char* dir = std::getenv("TWINKLE_MODULE_DIR"); dir && *dir)
+      places.push_back(std::filesystem::path(dir) / name);
     if (!ec) places.push_back(exe.parent_path() / name);
     places.push_back(std::filesystem::path(TWINKLE_MODULE_DIR) / name);
     std::string reasons;

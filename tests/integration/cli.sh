@@ -215,6 +215,11 @@ CMAKE
     stage_install "$4"
     # The worker binary beside twinkle, where the launcher and node agents look for it.
     [ -x "$TMP/dest$BINDIR/twinkle-worker" ] || fail "twinkle-worker is not installed in $BINDIR: $(ls "$TMP/dest$BINDIR")"
+    # The modules, where module_symbol looks for them once installed (LIBDIR/twinkle).
+    for module in libtwinkle_gloo.so libtwinkle_notify.so; do
+      [ -n "$(find "$STAGE" -path "*/twinkle/$module")" ] ||
+        fail "$module is not installed in LIBDIR/twinkle: $(find "$STAGE" -name 'libtwinkle_*')"
+    done
     comp=$TMP/dest$DATADIR/bash-completion/completions/twinkle
     [ -f "$comp" ] || fail "no completion in $DATADIR/bash-completion/completions: $(find "$TMP/dest" -path '*completion*')"
     bash -c 'source "$1" && complete -p twinkle' _ "$comp" >"$TMP/out" 2>&1 || fail "the installed completion does not load: $(cat "$TMP/out")"

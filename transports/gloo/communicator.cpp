@@ -209,8 +209,12 @@ class GlooCommunicator : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> create_gloo_communicator(KvStore& store, const CommConfig& config) {
-  return std::make_unique<GlooCommunicator>(store, config);
-}
-
 }  // namespace twinkle::transport
+
+// The module's entry: a new communicator that the caller owns. Errors are exceptions (the module
+// and the binary share one C++ runtime).
+extern "C" __attribute__((visibility("default"))) twinkle::transport::Communicator*
+twinkle_gloo_create_v1(twinkle::transport::KvStore* store,
+                       const twinkle::transport::CommConfig* config) {
+  return new twinkle::transport::GlooCommunicator(*store, *config);
+}
