@@ -34,7 +34,6 @@ std::uint64_t get_le(const unsigned char* p, int bytes) {
 void release_tensor(void*, void* hint) { delete static_cast<Tensor*>(hint); }
 void release_buffer(void* data, void*) { std::free(data); }
 
-// Frame 0 and the tensor frames of a message whose body `pack` writes.
 // Where frame 0 is packed: the thread's own buffer, kept from one message to the next.
 // Frame 0 of up to kScratchBody bytes is copied out of it (one allocation, ZeroMQ's, or none
 // under 34 bytes); a larger one takes the buffer along, and the next message starts a new one.
@@ -44,6 +43,7 @@ msgpack::sbuffer& scratch_buffer() {
   return buf;
 }
 
+// Frame 0 and the tensor frames of a message whose body `pack` writes.
 template <class Pack>
 Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
   msgpack::sbuffer& buf = scratch_buffer();
