@@ -354,7 +354,7 @@ bool stop_node(const std::string& file, double timeout_s) {
   std::ifstream in(file);
   long pid = 0;
   if (!(in >> pid) || pid <= 1) return false;
-  Fd fd(static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0)));
+  Fd fd = open_pidfd(static_cast<pid_t>(pid));
   if (!fd || !is_node_process(pid)) {
     std::error_code ec;
     std::filesystem::remove(file, ec);

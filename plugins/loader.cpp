@@ -642,6 +642,10 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
   int status = 0;
   bool timed_out = false;
   bool eof = false;
+  // The child's exit wakes the poll below (its grandchildren may keep the pipe open, and the
+  // pipe's end of file comes a little before the child can be reaped); without pidfds, a poll
+  // every 20 ms notices it.
+  const Fd exited = open_pidfd(pid);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (::waitpid(pid, &status, WNOHANG) != pid) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -650,11 +654,9 @@ void Plugin::check_in_child(const std::filesystem::path& path, std::chrono::mill
       timed_out = true;
       break;
     }
-    // Wake on output, and at least every 20 ms to notice the exit of a child whose
-    // grandchildren keep the pipe open.
-    pollfd pfd{from_child.get(), POLLIN, 0};
-    const int wait_ms = static_cast<int>(std::min<long>(left.count(), 20));
-    if (::poll(&pfd, eof ? 0 : 1, wait_ms) > 0) {
+    pollfd pfd[2] = {{exited.get(), POLLIN, 0}, {eof ? -1 : from_child.get(), POLLIN, 0}};
+    const int wait_ms = static_cast<int>(exited ? left.count() : std::min<long>(left.count(), 20));
+    if (::poll(pfd, 2, wait_ms) > 0 && (pfd[1].revents & (POLLIN | POLLHUP | POLLERR))) {
       char buf[4096];
       const ssize_t n = ::read(from_child.get(), buf, sizeof buf);
       if (n > 0 && got.size() < (1 << 20)) got.append(buf, static_cast<std::size_t>(n));

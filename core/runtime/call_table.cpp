@@ -204,7 +204,7 @@ void CallTable::begin_restart(std::size_t gi, const std::vector<std::size_t>& pe
     if (inst.group != gi || !inst.creating) continue;
     std::erase_if(r.deferred,
                   [&](const auto& d) { return d.second.id == id && r.replaced.count(d.first); });
-    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}}};
+    const Message create{id, transport::proto::Create{inst.cls->name, inst.args, {}, std::nullopt}};
     for (int w : inst.workers) {
       if (!replaced_index(w)) continue;
       inst.acks.erase(w);
@@ -552,7 +552,7 @@ std::uint64_t CallTable::create(const plugins::ClassInfo& cls, std::size_t gi,
       if (!keep) instances.erase(id);
     }
   } forget{instances_, id};
-  const Message create{id, transport::proto::Create{cls.name, args, chain}};
+  const Message create{id, transport::proto::Create{cls.name, args, chain, std::nullopt}};
   for (int w : inst.workers) send_to(g.peers[static_cast<std::size_t>(w)], create);
   const auto deadline = deadline_after(timeout_s_);
   while (inst.acks.size() < inst.workers.size()) {

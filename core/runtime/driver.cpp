@@ -11,8 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -35,6 +33,7 @@
 #include "core/runtime/notify.hpp"
 #include "core/runtime/run_checkpoints.hpp"
 #include "core/runtime/run_dir.hpp"
+#include "core/runtime/run_restarts.hpp"
 #include "core/runtime/stop_signals.hpp"
 #include "core/runtime/worker_env.hpp"
 #include "plugins/loader.hpp"
@@ -301,7 +300,10 @@ class JobRun : public HostOps {
                            [this](std::string_view n) { return plugin_->find_collector(n); }};
     table_ = std::make_unique<CallTable>(*channel_, std::move(groups), std::move(workers),
                                          std::move(custom), job_.timeout_s);
-    set_up_restarts();
+    restarts_.emplace(RunRestarts::Parts{
+        job_, *table_, *kv_, comms_, *launcher_, *checkpoints_, [this] { book_.reset(); },
+        [this](std::string_view name) { return plugin_->find_class(name); }});
+    restarts_->install();
     // The other workers learn of a lost one at once: their calls to it fail instead of waiting.
     table_->on_first_loss([this](std::size_t lost, const std::string& text) {
       for (std::size_t i = 0; i < table_->workers().size(); ++i) {
@@ -421,8 +423,8 @@ class JobRun : public HostOps {
     out.kv = kv_->endpoint();
     out.collectives = collectives_;
     out.timeout_s = job_.timeout_s;
-    out.generation = generation_.empty() ? 0 : generation_[w.group];
-    const auto& from = out.generation ? restart_resume_[w.group] : checkpoints_->resume();
+    out.generation = restarts_->generation(w.group);
+    const auto& from = out.generation ? restarts_->resume_of(w.group) : checkpoints_->resume();
     if (from) {
       proto::ResumePart part{"", "", from->manifest.step};
       for (const auto& p : from->manifest.parts) {
@@ -469,158 +471,6 @@ class JobRun : public HostOps {
     ::_exit(128 + sig);  // the last resort: the driver thread is in plugin code
   }
 
-  // ----- restarts (docs/ARCHITECTURE.md, Restarts) --------------------------------------------
-
-  void set_up_restarts() {
-    const auto& groups = table_->groups();
-    generation_.assign(groups.size(), 0);
-    restart_times_.assign(groups.size(), {});
-    restart_resume_.assign(groups.size(), std::nullopt);
-    std::vector<bool> restartable(table_->workers().size(), false);
-    bool any = false;
-    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-      if (job_.groups[gi].max_restarts == 0) continue;
-      any = true;
-      for (std::size_t p : groups[gi].peers) restartable[p] = true;
-    }
-    if (!any) return;
-    launcher_->set_restartable(std::move(restartable));
-    table_->set_restarts(Restarts{
-        [this](std::size_t peer, const std::string& text) { return decide_restart(peer, text); },
-        [this](std::size_t g, const std::vector<std::size_t>& peers) { respawn(g, peers); },
-        [this](std::size_t g, const std::string& donors) { group_back(g, donors); },
-        [this](std::size_t g) { return recovered_from(g); },
-        [this](std::size_t g) { return job_.groups.at(g).max_restarts > 0; },
-        [this](std::size_t g) { return job_.groups.at(g).restart == "group"; },
-        [this](std::size_t g) { return job_.groups.at(g).recover == "peer"; },
-        [this](std::size_t g) { return generation_.at(g); },
-        [this](std::size_t g) {
-          for (const auto& name : comms_.with_group(g, *table_)) comms_.declare(name);
-        },
-        [this](std::string_view name) { return plugin_->find_class(name); }});
-  }
-
-  // Whether the loss of `peer` restarts its group: the group's budget in its window, and no
-  // rank that keeps dying before it completes a call.
-  Restarts::Decision decide_restart(std::size_t peer, const std::string& text) {
-    const WorkerInfo& w = table_->workers()[peer];
-    const GroupSpec& spec = job_.groups.at(w.group);
-    if (spec.max_restarts == 0) return {};
-    const auto now = std::chrono::steady_clock::now();
-    const auto window = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-        std::chrono::duration<double>(spec.restart_window_s));
-    auto& deaths = early_deaths_[peer];
-    if (w.completed) deaths.clear();
-    deaths.push_back(now);
-    while (!deaths.empty() && deaths.front() < now - window) deaths.pop_front();
-    if (deaths.size() >= kCrashLoopDeaths) {
-      return {std::nullopt,
-              fmt::format("rank {} of group {} died {} times in {:.0f} s before completing a call "
-                          "(a crash loop; no more restarts): {}",
-                          w.index, spec.name, deaths.size(),
-                          std::chrono::duration<double>(now - deaths.front()).count(), text)};
-    }
-    auto& times = restart_times_[w.group];
-    while (!times.empty() && times.front() < now - window) times.pop_front();
-    if (static_cast<int>(times.size()) >= spec.max_restarts) {
-      return {std::nullopt,
-              fmt::format("{}; group {} has no restarts left ({} in the last {:g} s: "
-                          "max_restarts = {})",
-                          text, spec.name, times.size(), spec.restart_window_s, spec.max_restarts)};
-    }
-    // The first restart at once, then 1 s doubling to 30 s.
-    const auto after = std::chrono::milliseconds(
-        times.empty() ? 0
-                      : std::min<std::int64_t>(30'000, std::int64_t{1000} << std::min<std::size_t>(
-                                                           times.size() - 1, 5)));
-    times.push_back(now);
-    ++generation_[w.group];
-    // The communicators of the group's earlier generations never form now: a survivor waiting
-    // at their rendezvous (for the lost rank) gets an error and goes on to its regroup.
-    std::vector<std::string> retired{spec.name + "/"};
-    for (int gen = 1; gen < generation_[w.group]; ++gen)
-      retired.push_back(fmt::format("{}@{}/", spec.name, gen));
-    // So are those of the communicators across groups that include it: they are declared again
-    // at once (their members in other groups meet at the new keys, where the replacements join
-    // them once the group is back: reform).
-    std::vector<std::string> cross = comms_.with_group(w.group, *table_);
-    for (const auto& name : cross)
-      retired.push_back(Communicators::cross_key(name, comms_.generation(name)) + "/");
-    kv_->retire(std::move(retired), fmt::format("a worker of group {} was lost and is being "
-                                                "replaced; this communicator will not form",
-                                                spec.name));
-    for (const auto& name : cross) comms_.renew(name);
-    restart_log_.push_back(
-        RestartRecord{spec.name, w.index, text, now, std::nullopt, generation_[w.group], ""});
-    std::fflush(stdout);
-    std::fprintf(stderr, "twinkle: restarting group %s (restart %zu of %d in %g s)%s: %s\n",
-                 spec.name.c_str(), times.size(), spec.max_restarts, spec.restart_window_s,
-                 after.count() ? fmt::format(" in {:g} s", after.count() / 1000.0).c_str() : "",
-                 text.substr(0, text.find('\n')).c_str());
-    std::fflush(stderr);
-    return {std::optional<std::chrono::milliseconds>(after), ""};
-  }
-
-  // Replaces `peers` of group `g` (every worker with restart = "group"); with recover =
-  // "checkpoint" they get their parts of the newest checkpoint of this run (or of the one it
-  // resumed from).
-  void respawn(std::size_t g, const std::vector<std::size_t>& peers) {
-    book_.reset();  // pids and serve endpoints change
-    restart_resume_[g].reset();
-    if (job_.groups[g].recover == "checkpoint") restart_resume_[g] = checkpoints_->for_restart();
-    const std::string count = std::to_string(generation_[g]);
-    replaced_where_ = launcher_->restart(
-        peers, {"TWINKLE_RESTART_COUNT=" + count, "TORCHELASTIC_RESTART_COUNT=" + count});
-    replaced_.clear();
-    for (std::size_t p : peers) replaced_.push_back(table_->workers()[p].name);
-  }
-
-  std::string recovered_from(std::size_t g) const {
-    if (job_.groups[g].recover == "peer") return ", with the state of a surviving replica";
-    if (job_.groups[g].recover != "checkpoint") return ", without state";
-    if (restart_resume_[g])
-      return fmt::format(", with the state of the checkpoint of step {}",
-                         restart_resume_[g]->manifest.step);
-    return ", without state: no checkpoint yet";
-  }
-
-  void group_back(std::size_t g, const std::string& donors) {
-    const std::string& name = table_->groups()[g].name;
-    for (auto it = restart_log_.rbegin(); it != restart_log_.rend(); ++it) {
-      if (it->group != name || it->recovered_s) continue;
-      it->recovered_s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - it->lost_at).count();
-      std::fflush(stdout);
-      std::string how = ", without state";
-      if (!donors.empty()) {
-        how = ", state copied " + donors;
-      } else if (restart_resume_[g]) {
-        how = fmt::format(", from the checkpoint of step {}", restart_resume_[g]->manifest.step);
-      }
-      it->how = fmt::format("{} replaced{}{}", fmt::join(replaced_, ", "),
-                            replaced_where_.empty() ? "" : " (" + replaced_where_ + ")", how);
-      std::fprintf(stderr, "twinkle: group %s is back (restart %d, %.2f s after the loss; %s)\n",
-                   name.c_str(), it->number, *it->recovered_s, it->how.c_str());
-      std::fflush(stderr);
-      break;
-    }
-  }
-
-  // The restarts of the run, for the end: one line each.
-  void print_restarts() const {
-    if (restart_log_.empty()) return;
-    std::fflush(stdout);
-    std::fprintf(stderr, "twinkle: %zu restart(s) in this run:\n", restart_log_.size());
-    for (const auto& r : restart_log_) {
-      std::fprintf(stderr, "  group %s, rank %d: %s; %s\n", r.group.c_str(), r.rank,
-                   r.cause.substr(0, r.cause.find('\n')).c_str(),
-                   r.recovered_s
-                       ? fmt::format("back in {:.2f} s ({})", *r.recovered_s, r.how).c_str()
-                       : "not back");
-    }
-    std::fflush(stderr);
-  }
-
   // ----- the end ----------------------------------------------------------------------------
 
   // The driver entry returned after a stop request: say where the run stands and how to go on.
@@ -640,7 +490,7 @@ class JobRun : public HostOps {
 
   RunResult finish(bool ok, const std::string& error) {
     signals_.entry_returned();
-    print_restarts();
+    if (restarts_) restarts_->print();
     if (const int sig = signal_.load()) {
       if (launcher_) launcher_->stop(std::chrono::milliseconds(0));
       run_dir_.reset();
@@ -711,24 +561,7 @@ class JobRun : public HostOps {
   std::atomic<int> signal_{0};  // the signal that interrupted the run
   // Checkpoints and stopping on request.
   std::optional<RunCheckpoints> checkpoints_;  // once the job is read
-  // Restarts.
-  struct RestartRecord {
-    std::string group;
-    int rank = 0;
-    std::string cause;  // the loss's text
-    std::chrono::steady_clock::time_point lost_at;
-    std::optional<double> recovered_s;  // until the group was back
-    int number = 0;                     // the group's generation it started
-    std::string how;                    // "model:2 replaced, state copied model:2 from model:0"
-  };
-  static constexpr std::size_t kCrashLoopDeaths = 3;
-  std::vector<RestartRecord> restart_log_;
-  std::vector<std::string> replaced_;  // the workers the last respawn replaced
-  std::string replaced_where_;         // where they started, when the launcher says
-  std::vector<int> generation_;        // by group
-  std::vector<std::deque<std::chrono::steady_clock::time_point>> restart_times_;  // by group
-  std::map<std::size_t, std::deque<std::chrono::steady_clock::time_point>> early_deaths_;
-  std::vector<std::optional<checkpoint::Found>> restart_resume_;  // by group
+  std::optional<RunRestarts> restarts_;        // once the call table is made
 };
 
 }  // namespace

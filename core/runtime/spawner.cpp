@@ -69,16 +69,6 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
-int pidfd_open(pid_t pid) {
-#ifdef SYS_pidfd_open
-  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-  (void)pid;
-  errno = ENOSYS;
-  return -1;
-#endif
-}
-
 // posix_spawn's attribute and file-action objects, destroyed on every path.
 struct SpawnAttr {
   posix_spawnattr_t attr;
@@ -164,7 +154,7 @@ pid_t Spawner::spawn(ProcessSpec spec) {
   if (pgid_.load() == 0) pgid_ = pid;
   proc->pid = pid;
   proc->running = true;
-  proc->pidfd.reset(pidfd_open(pid));
+  proc->pidfd = open_pidfd(pid);
   proc->out[0] = std::move(out.first);
   proc->out[1] = std::move(err.first);
   fcntl(proc->out[0].get(), F_SETFL, O_NONBLOCK);

@@ -374,7 +374,7 @@ class ShmCommunicator : public Communicator {
     fd_.reset();
     for (std::size_t q = 0; q < n; ++q) {
       const int pid = member(q).pid.load(std::memory_order_acquire);
-      if (pid != getpid()) pidfds_[q].reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+      if (pid != getpid()) pidfds_[q] = open_pidfd(pid);
     }
   }
 

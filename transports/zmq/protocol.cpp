@@ -409,7 +409,6 @@ Value as_value(std::int64_t v) { return Value(v); }
 Value as_value(std::uint64_t v) { return Value(static_cast<std::int64_t>(v)); }
 Value as_value(double d) { return Value(d); }
 Value as_value(const Bytes& b) { return Value(b); }
-Value as_value(const Tensor& t) { return Value(t); }
 Value as_value(const Value& v) { return v; }
 Value as_value(const EncodedValue& e) { return decode(e); }
 Value as_value(const std::map<std::string, std::string>& m) {

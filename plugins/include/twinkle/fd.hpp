@@ -4,7 +4,11 @@
 // not need it.
 #pragma once
 
+#include <sys/syscall.h>
+#include <sys/types.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <utility>
 
@@ -40,5 +44,18 @@ class Fd {
  private:
   int fd_ = -1;
 };
+
+// A descriptor that becomes readable when process `pid` (a child, or one whose pid is known to be
+// alive) exits: poll it beside others instead of waking now and then for waitpid. Empty where
+// the kernel has no pidfds (before Linux 5.3), with errno set; callers fall back to polling.
+inline Fd open_pidfd(pid_t pid) noexcept {
+#ifdef SYS_pidfd_open
+  return Fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return Fd();
+#endif
+}
 
 }  // namespace twinkle
