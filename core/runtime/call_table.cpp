@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/runtime/heap_pages.hpp"
+
 namespace twinkle::core {
 
 namespace {
@@ -761,6 +763,7 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     send_to(peer, std::move(msg));
   }
   calls_.emplace(id, std::move(c));
+  if (id % 1024 == 0) heap_pages::advise_growth();
   return id;
 }
 

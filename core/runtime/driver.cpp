@@ -28,6 +28,7 @@
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/cross_comms.hpp"
 #include "core/runtime/failure_report.hpp"
+#include "core/runtime/heap_pages.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/launcher.hpp"
 #include "core/runtime/notify.hpp"
@@ -567,6 +568,7 @@ class JobRun : public HostOps {
 }  // namespace
 
 RunResult run_job(const RunOptions& options) {
+  heap_pages::grow_in_large_steps();
   JobRun run(options);
   return run.run_and_tell();
 }
