@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/job/digest.hpp"
+#include "core/runtime/sha256.hpp"
 #include "twinkle/errors.hpp"
 
 namespace twinkle::core::checkpoint {
@@ -246,8 +247,6 @@ PartWriter::PartWriter(const fs::path& file, std::uint32_t records, std::int64_t
                                               "every node reads and writes: a shared file system)"
                                             : ""));
   }
-  if (!hash_ || EVP_DigestInit_ex(hash_.get(), EVP_sha256(), nullptr) != 1)
-    throw Error("cannot start a sha256 (OpenSSL)");
   write(kMagic, sizeof kMagic);
   write(&records, sizeof records);
   const std::uint32_t reserved = 0;
@@ -262,9 +261,9 @@ void PartWriter::write(const void* data, std::size_t n) {
   const char* p = static_cast<const char*>(data);
   std::jthread hasher;
   if (n >= kHashAside) {
-    hasher = std::jthread([this, p, n] { EVP_DigestUpdate(hash_.get(), p, n); });
+    hasher = std::jthread([this, p, n] { hash_.update(p, n); });
   } else {
-    EVP_DigestUpdate(hash_.get(), p, n);
+    hash_.update(p, n);
   }
   std::size_t at = 0;
   while (at < n) {
@@ -334,10 +333,8 @@ PartWriter::Written PartWriter::finish() {
   if (::fsync(fd_.get()) != 0)
     throw Error(fmt::format("cannot flush {} to disk: {}", file_.string(), errno_text()));
   fd_.reset();
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(hash_.get(), out, &len);
-  return {hex(out, len), offset_};
+  const Sha256::Digest out = hash_.finish();
+  return {hex(out.data(), out.size()), offset_};
 }
 
 Part Part::read(const fs::path& file, const std::string& sha256) {
@@ -354,11 +351,13 @@ Part Part::read(const fs::path& file, const std::string& sha256) {
   if (map->data == MAP_FAILED)
     throw Error(fmt::format("cannot map {}: {}", file.string(), errno_text()));
   const auto* bytes = static_cast<const unsigned char*>(map->data);
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (EVP_Digest(bytes, map->size, digest, &len, EVP_sha256(), nullptr) != 1)
-    throw Error(fmt::format("{}: cannot compute its sha256 (OpenSSL)", file.string()));
-  if (hex(digest, len) != sha256) {
+  Sha256::Digest digest;
+  try {
+    digest = Sha256::of(bytes, map->size);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: cannot compute its sha256: {}", file.string(), e.what()));
+  }
+  if (hex(digest.data(), digest.size()) != sha256) {
     throw Error(fmt::format(
         "{}: its sha256 is not the manifest's (the file changed or was damaged after it was "
         "written)",

@@ -8,9 +8,8 @@
 #include <string>
 #include <vector>
 
-#include <openssl/evp.h>
-
 #include "core/job/job.hpp"
+#include "core/runtime/sha256.hpp"
 #include "twinkle/fd.hpp"
 #include "twinkle/plugin.h"
 #include "twinkle/value.hpp"
@@ -46,7 +45,7 @@ class PartWriter {
   std::filesystem::path file_;
   std::int64_t step_;
   Fd fd_;
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> hash_{EVP_MD_CTX_new(), &EVP_MD_CTX_free};
+  Sha256 hash_;
   std::uint64_t offset_ = 0;
   std::uint32_t expected_ = 0, written_ = 0;
 };

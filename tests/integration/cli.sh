@@ -216,7 +216,7 @@ CMAKE
     # The worker binary beside twinkle, where the launcher and node agents look for it.
     [ -x "$TMP/dest$BINDIR/twinkle-worker" ] || fail "twinkle-worker is not installed in $BINDIR: $(ls "$TMP/dest$BINDIR")"
     # The modules, where module_symbol looks for them once installed (LIBDIR/twinkle).
-    for module in libtwinkle_gloo.so libtwinkle_notify.so; do
+    for module in libtwinkle_gloo.so libtwinkle_notify.so libtwinkle_sha256.so; do
       [ -n "$(find "$STAGE" -path "*/twinkle/$module")" ] ||
         fail "$module is not installed in LIBDIR/twinkle: $(find "$STAGE" -name 'libtwinkle_*')"
     done
