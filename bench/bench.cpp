@@ -111,13 +111,15 @@ int main(int argc, char** argv) {
     }
     // Round trips on a shared VM are bimodal (same core or not), so both sides are measured three
     // times, alternating, and the medians are compared.
-    std::vector<double> zp50, zp99, sp50, tp50, tp99, pp50, pp99, psend;
+    std::vector<double> zp50, zp99, sp50, tp50, tp99, pp50, pp99, psend, fan1, fan8;
     std::map<std::string, double> c;
     for (int rep = 0; rep < 3; ++rep) {
       const auto [p50, p99] = zmq_rtt(calls);
       zp50.push_back(p50);
       zp99.push_back(p99);
       sp50.push_back(socketpair_rtt(calls).first);
+      fan1.push_back(pipe_fanout(1, calls));
+      fan8.push_back(pipe_fanout(8, calls / 2));
       auto f = run_twinkle(twinkle, job, "calls", {fmt::format("args.calls={}", calls)}).figures;
       tp50.push_back(f["call_rtt_p50"]);
       tp99.push_back(f["call_rtt_p99"]);
@@ -196,6 +198,11 @@ int main(int argc, char** argv) {
         zmq_p50);
     row("   same, next to the call round trip", c["fanout_8_p50"], "", "call rtt p50",
         c["call_rtt_p50"]);
+    // The floor of that ratio on this machine: 8 echo processes over pipes, next to one.
+    row("   raw pipes: fan-out to 8 echo processes (us)", percentile(fan8, 0.5), "",
+        "pipe rtt p50", percentile(fan1, 0.5));
+    row("   same fan-out, next to the raw pipe fan-out", c["fanout_8_p50"], "", "pipe fan-out",
+        percentile(fan8, 0.5));
     row(fmt::format("4. dispatch {} MiB slice_dp to 8 (GB/s)", dispatch_mib),
         d["dispatch_bandwidth"], "", "memcpy GB/s", mem);
     row("5. launch to first call done, 8 workers (s)", first.mark_s, "", "-", 0);

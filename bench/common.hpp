@@ -1,6 +1,8 @@
 #pragma once
 // What the benchmarks share: percentiles, the raw ZeroMQ and memcpy references, and running a
 // bench job through `twinkle run`.
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -160,6 +162,83 @@ inline std::pair<double, double> socketpair_rtt(int n) {
   ::close(sv[0]);
   waitpid(child, nullptr, 0);
   return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
+}
+
+// The floor under a fan-out: a small message written to each of `workers` echo processes over a
+// pair of pipes each (as the driver's control channels are), then every answer read as it comes
+// (poll on all of them, as the driver waits); with one worker, the pipe round trip. p50 in
+// microseconds.
+inline double pipe_fanout(int workers, int n) {
+  constexpr std::size_t kSize = 19;
+  struct Child {
+    int to = -1, from = -1;
+    pid_t pid = -1;
+  };
+  std::vector<Child> kids(static_cast<std::size_t>(workers));
+  for (auto& k : kids) {
+    int down[2], up[2];
+    if (::pipe2(down, O_CLOEXEC) != 0 || ::pipe2(up, O_CLOEXEC) != 0)
+      throw std::runtime_error("pipe2");
+    k.pid = fork();
+    if (k.pid == 0) {
+      ::close(down[1]);
+      ::close(up[0]);
+      for (const auto& older : kids) {
+        if (older.to >= 0) ::close(older.to);
+        if (older.from >= 0) ::close(older.from);
+      }
+      char buf[kSize];
+      for (;;) {
+        std::size_t got = 0;
+        while (got < kSize) {
+          const ssize_t r = ::read(down[0], buf + got, kSize - got);
+          if (r <= 0) _exit(0);
+          got += static_cast<std::size_t>(r);
+        }
+        if (::write(up[1], buf, kSize) != static_cast<ssize_t>(kSize)) _exit(1);
+      }
+    }
+    ::close(down[0]);
+    ::close(up[1]);
+    k.to = down[1];
+    k.from = up[0];
+  }
+  std::vector<double> rtt;
+  std::vector<pollfd> fds(kids.size());
+  std::vector<std::size_t> got(kids.size());
+  char buf[kSize] = "ping-ping-ping-pin";
+  bool broken = false;
+  for (int i = 0; i < n + 500 && !broken; ++i) {
+    const auto t0 = Clock::now();
+    for (auto& k : kids) broken |= ::write(k.to, buf, kSize) != static_cast<ssize_t>(kSize);
+    std::fill(got.begin(), got.end(), 0);
+    std::size_t done = 0;
+    while (done < kids.size() && !broken) {
+      for (std::size_t j = 0; j < kids.size(); ++j)
+        fds[j] = pollfd{got[j] < kSize ? kids[j].from : -1, POLLIN, 0};
+      if (::poll(fds.data(), fds.size(), 10000) <= 0) broken = true;
+      for (std::size_t j = 0; j < kids.size() && !broken; ++j) {
+        if (!(fds[j].revents & (POLLIN | POLLHUP))) continue;
+        char in[kSize];
+        const ssize_t r = ::read(kids[j].from, in, kSize - got[j]);
+        if (r <= 0) {
+          broken = true;
+          break;
+        }
+        got[j] += static_cast<std::size_t>(r);
+        if (got[j] == kSize) ++done;
+      }
+    }
+    if (i >= 500)
+      rtt.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  for (auto& k : kids) {
+    ::close(k.to);
+    ::close(k.from);
+  }
+  for (auto& k : kids) waitpid(k.pid, nullptr, 0);
+  if (broken || rtt.empty()) throw std::runtime_error("the raw pipe fan-out lost an echo process");
+  return percentile(rtt, 0.5);
 }
 
 // The raw reference of pipelined calls: `n` messages of `request` bytes sent at once to an echo

@@ -13,6 +13,7 @@ Inbox::Inbox(transport::WorkerLink& link, transport::ServeSocket& serve, GroupCa
 
 std::optional<Inbox::Pending> Inbox::take() {
   if (queue_.empty()) return std::nullopt;
+  serve_quiet_ = false;  // what runs may use the serve socket
   Pending p = std::move(queue_.front());
   queue_.pop_front();
   return p;
@@ -21,10 +22,16 @@ std::optional<Inbox::Pending> Inbox::take() {
 void Inbox::wait() {
   // Both sockets are read until empty before waiting (wait_readable's condition).
   read_link();
-  read_serve();
-  if (queue_.empty())
-    transport::wait_readable({link_.waitable(), serve_.socket()}, -1,
-                             std::chrono::milliseconds(-1));
+  if (!serve_quiet_) read_serve();
+  serve_quiet_ = false;
+  if (queue_.empty()) {
+    const transport::Woke woke = transport::wait_readable({link_.waitable(), serve_.socket()}, -1,
+                                                          std::chrono::milliseconds(-1));
+    // The serve socket was read empty and did not wake, and nothing runs before the next wait:
+    // it has nothing (a ZeroMQ socket's descriptor wakes for every message to an empty socket
+    // that nothing used since), so the next wait does not read it (two system calls a call).
+    serve_quiet_ = (woke.sockets & 2u) == 0;
+  }
 }
 
 // Messages from the driver: a lost worker and a communicator's membership take effect at once (a

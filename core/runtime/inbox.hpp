@@ -51,6 +51,7 @@ class Inbox {
   Communicators& comms_;
   std::function<std::string(const transport::Message&)> what_;
   std::deque<Pending> queue_;
+  bool serve_quiet_ = false;  // the last wait found the serve socket empty and it did not wake
 };
 
 }  // namespace twinkle::core

@@ -243,8 +243,10 @@ FrameStream::Read FrameStream::read() {
       return Read::closed;
     }
     if (errno == EINTR) continue;
+    // Empty: the caller polls before it reads again, so the next recv reads (drained_ would
+    // skip that read and cost another turn of the caller's loop).
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      drained_ = true;
+      drained_ = false;
       return Read::empty;
     }
     closed_ = true;

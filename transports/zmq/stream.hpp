@@ -74,7 +74,7 @@ class FrameStream {
   // The other end is gone (a write found it so, or a read reached its end), as opposed to a
   // stream closed for an error of its own (error()).
   bool peer_gone() const { return write_gone_ || (closed_ && error_.empty()); }
-  // The last read left the socket empty.
+  // The last read got bytes and left the socket empty.
   bool drained() const { return drained_; }
   // Why the stream closed ("" for the other end's close). A failed write is not a close: send
   // and flush throw it.
@@ -93,7 +93,7 @@ class FrameStream {
   std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
   std::size_t in_begin_ = 0, in_end_ = 0;
   std::size_t want_ = 0;   // bytes the message at in_begin_ needs in all (0: not known)
-  bool drained_ = false;   // the last read left the socket empty
+  bool drained_ = false;   // the last read got less than it asked for: the socket is empty
   std::vector<char> out_;  // [out_begin_, end) waits to be written
   std::size_t out_begin_ = 0;
   bool closed_ = false;
