@@ -199,8 +199,8 @@ int main(int argc, char** argv) {
     row("   same, next to the call round trip", c["fanout_8_p50"], "", "call rtt p50",
         c["call_rtt_p50"]);
     // The floor of that ratio on this machine: 8 echo processes over pipes, next to one.
-    row("   raw pipes: fan-out to 8 echo processes (us)", percentile(fan8, 0.5), "",
-        "pipe rtt p50", percentile(fan1, 0.5));
+    row("   raw pipes: fan-out to 8 echo processes (us)", percentile(fan8, 0.5), "", "pipe rtt p50",
+        percentile(fan1, 0.5));
     row("   same fan-out, next to the raw pipe fan-out", c["fanout_8_p50"], "", "pipe fan-out",
         percentile(fan8, 0.5));
     row(fmt::format("4. dispatch {} MiB slice_dp to 8 (GB/s)", dispatch_mib),

@@ -123,6 +123,22 @@ inline std::pair<double, double> zmq_rtt(int n, bool tcp = false) {
   return {percentile(rtt, 0.5), percentile(rtt, 0.99)};
 }
 
+// A forked echo process's loop: every `kSize` bytes read from `in` written back to `out`; exits
+// when `in` closes.
+template <std::size_t kSize>
+[[noreturn]] void echo_until_closed(int in, int out) {
+  char buf[kSize];
+  for (;;) {
+    std::size_t got = 0;
+    while (got < kSize) {
+      const ssize_t r = ::read(in, buf + got, kSize - got);
+      if (r <= 0) _exit(0);
+      got += static_cast<std::size_t>(r);
+    }
+    if (::write(out, buf, kSize) != static_cast<ssize_t>(kSize)) _exit(1);
+  }
+}
+
 // The floor under any local round trip: a small message to a process over a Unix stream socket
 // pair and back, both sides blocking in read (no ZeroMQ, no framing): p50 and p99 in
 // microseconds.
@@ -133,16 +149,7 @@ inline std::pair<double, double> socketpair_rtt(int n) {
   const pid_t child = fork();
   if (child == 0) {
     ::close(sv[0]);
-    char buf[kSize];
-    for (;;) {
-      std::size_t got = 0;
-      while (got < kSize) {
-        const ssize_t r = ::read(sv[1], buf + got, kSize - got);
-        if (r <= 0) _exit(0);
-        got += static_cast<std::size_t>(r);
-      }
-      if (::write(sv[1], buf, kSize) != static_cast<ssize_t>(kSize)) _exit(1);
-    }
+    echo_until_closed<kSize>(sv[1], sv[1]);
   }
   ::close(sv[1]);
   std::vector<double> rtt;
@@ -187,16 +194,7 @@ inline double pipe_fanout(int workers, int n) {
         if (older.to >= 0) ::close(older.to);
         if (older.from >= 0) ::close(older.from);
       }
-      char buf[kSize];
-      for (;;) {
-        std::size_t got = 0;
-        while (got < kSize) {
-          const ssize_t r = ::read(down[0], buf + got, kSize - got);
-          if (r <= 0) _exit(0);
-          got += static_cast<std::size_t>(r);
-        }
-        if (::write(up[1], buf, kSize) != static_cast<ssize_t>(kSize)) _exit(1);
-      }
+      echo_until_closed<kSize>(down[0], up[1]);
     }
     ::close(down[0]);
     ::close(up[1]);
