@@ -437,7 +437,21 @@ std::vector<std::string> names_of(const std::string& host) {
 }
 }  // namespace
 
-struct Dashboard::State {
+// The dashboard's server: the module's one class.
+class DashboardServer final : public Dashboard {
+ public:
+  DashboardServer(DashboardOptions options, HeadAsk ask);
+  ~DashboardServer() override;
+  std::string url() const override;
+  std::string grant(const std::string& user, bool admin) override;
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+struct DashboardServer::State {
   DashboardOptions o;
   HeadAsk ask;
   std::unique_ptr<httplib::Server> server;  // an SSLServer with TLS
@@ -1263,7 +1277,8 @@ struct Dashboard::State {
   }
 };
 
-Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_unique<State>()) {
+DashboardServer::DashboardServer(DashboardOptions options, HeadAsk ask)
+    : s_(std::make_unique<State>()) {
   if (sodium_init() < 0) throw Error("libsodium failed to initialise (the dashboard's secrets)");
   s_->o = std::move(options);
   s_->ask = std::move(ask);
@@ -1327,7 +1342,7 @@ Dashboard::Dashboard(DashboardOptions options, HeadAsk ask) : s_(std::make_uniqu
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
-Dashboard::~Dashboard() {
+DashboardServer::~DashboardServer() {
   {
     std::lock_guard<std::mutex> lock(s_->stop_mu);
     s_->stopping = true;
@@ -1339,9 +1354,9 @@ Dashboard::~Dashboard() {
   if (s_->own_scratch) fs::remove_all(s_->scratch_root, ec);
 }
 
-std::string Dashboard::url() const { return s_->url(); }
+std::string DashboardServer::url() const { return s_->url(); }
 
-std::string Dashboard::grant(const std::string& user, bool admin) {
+std::string DashboardServer::grant(const std::string& user, bool admin) {
   const std::string token = random_hex(32);
   const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double>(std::max(0.0, s_->o.link_s)));
@@ -1354,3 +1369,21 @@ std::string Dashboard::grant(const std::string& user, bool admin) {
 }
 
 }  // namespace twinkle::core::cluster
+
+extern "C" __attribute__((visibility("default"))) int twinkle_dashboard_open_v1(
+    twinkle::core::cluster::DashboardOptions* options, twinkle::core::cluster::HeadAsk* ask,
+    twinkle::core::cluster::Dashboard** out, std::string* error) {
+  try {
+    *out = new twinkle::core::cluster::DashboardServer(std::move(*options), std::move(*ask));
+    return 0;
+  } catch (const twinkle::ConfigError& e) {
+    *error = e.what();
+    return 1;
+  } catch (const twinkle::TransportError& e) {
+    *error = e.what();
+    return 2;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return 3;
+  }
+}

@@ -1045,7 +1045,7 @@ Head::Head(HeadOptions options) : s_(std::make_unique<State>()) {
     // The page's uploads are put together here before they go to the job service.
     if (!s.options.state_dir.empty()) d.scratch_dir = s.options.state_dir / "dashboard";
     d.log = s.options.log;
-    s.dashboard = std::make_unique<Dashboard>(
+    s.dashboard = open_dashboard(
         std::move(d), [&s](const jobs::Caller& c, Message m) { return s.ask(c, std::move(m)); });
   }
 }

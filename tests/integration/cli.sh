@@ -216,9 +216,18 @@ CMAKE
     # The worker binary beside twinkle, where the launcher and node agents look for it.
     [ -x "$TMP/dest$BINDIR/twinkle-worker" ] || fail "twinkle-worker is not installed in $BINDIR: $(ls "$TMP/dest$BINDIR")"
     # The modules, where module_symbol looks for them once installed (LIBDIR/twinkle).
-    for module in libtwinkle_gloo.so libtwinkle_notify.so libtwinkle_sha256.so; do
+    for module in libtwinkle_gloo.so libtwinkle_notify.so libtwinkle_sha256.so \
+      libtwinkle_archive.so libtwinkle_dashboard.so; do
       [ -n "$(find "$STAGE" -path "*/twinkle/$module")" ] ||
         fail "$module is not installed in LIBDIR/twinkle: $(find "$STAGE" -name 'libtwinkle_*')"
+    done
+    # What only the modules need is not loaded by every command: twinkle and twinkle-worker
+    # start without libarchive, cpp-httplib and libcrypto.
+    for bin in twinkle twinkle-worker; do
+      needed=$(readelf -d "$TMP/dest$BINDIR/$bin" | grep NEEDED)
+      for lib in libarchive libcpp-httplib libcrypto libssl; do
+        case $needed in *"[$lib"*) fail "$bin needs $lib (it belongs in a module): $needed" ;; esac
+      done
     done
     comp=$TMP/dest$DATADIR/bash-completion/completions/twinkle
     [ -f "$comp" ] || fail "no completion in $DATADIR/bash-completion/completions: $(find "$TMP/dest" -path '*completion*')"
