@@ -119,6 +119,8 @@ class JobRun : public HostOps {
     // never the driver's death. Workers start with SIGPIPE's default again (Spawner).
     ::signal(SIGPIPE, SIG_IGN);
     job_ = load_job(options_.job_file, options_.overrides);
+    // The workers' fork server starts now, beside the placement and the plugin's check.
+    if (job_.mode != Mode::remote && fork_server_enabled()) start_fork_server();
     collectives_ = collectives_backend(job_, std::getenv("TWINKLE_COLLECTIVES"));
     run_id_ = make_run_id();
     checkpoints_.emplace(job_, run_id_);
@@ -231,6 +233,15 @@ class JobRun : public HostOps {
     if (!reserved) return false;
     placement_ = std::move(*reserved);
     return true;
+  }
+
+  // With this process's environment, which workers start from (worker_env adds no variable that
+  // ForkServer::suits looks at); a server that cannot start is the launcher's to report.
+  void start_fork_server() {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    std::string why;
+    fork_server_ = ForkServer::start(worker_binary(twinkle_binary()), env, why);
   }
 
   // The plugin, checked in a child first, and its driver entry.
@@ -370,6 +381,7 @@ class JobRun : public HostOps {
     lo.run_dir = run_dir_->path();
     lo.log_dir = options_.log_dir;
     lo.quiet = options_.quiet;
+    lo.fork_server = std::move(fork_server_);
     launcher_ = std::make_unique<LocalLauncher>(lo, *local);
     channel_ = std::move(local);
     for (const auto& g : job_.groups) {
@@ -557,6 +569,7 @@ class JobRun : public HostOps {
   std::unique_ptr<CallTable> table_;
   // Communicators across groups (after the channel: their messages go through it).
   CrossComms comms_{[this](std::size_t p, const Message& m) { channel_->send(p, m); }};
+  std::shared_ptr<ForkServer> fork_server_;  // until the local launcher takes it
   std::unique_ptr<Launcher> launcher_;
   StopSignals signals_;
   std::atomic<int> signal_{0};  // the signal that interrupted the run

@@ -13,6 +13,17 @@
 
 namespace twinkle::core {
 
+namespace {
+
+// Workers are forked by their fork server (fork_server_enabled()).
+SpawnerOptions spawner_options(const LocalLaunchOptions& o) {
+  SpawnerOptions s{o.log_dir, o.quiet, 20, {}, {}, o.fork_server};
+  if (fork_server_enabled()) s.fork_server = o.exe;
+  return s;
+}
+
+}  // namespace
+
 std::string Launcher::restart(const std::vector<std::size_t>&, const std::vector<std::string>&) {
   throw Error("this launcher cannot restart workers (restarts work in local mode)");
 }
@@ -20,8 +31,7 @@ std::string Launcher::restart(const std::vector<std::size_t>&, const std::vector
 LocalLauncher::LocalLauncher(LocalLaunchOptions options, transport::LocalDriverChannel& channel)
     : options_(std::move(options)),
       channel_(channel),
-      spawner_(SpawnerOptions{options_.log_dir, options_.quiet, 20, {}},
-               [this](const ProcessExit& e) { on_exit(e); }) {}
+      spawner_(spawner_options(options_), [this](const ProcessExit& e) { on_exit(e); }) {}
 
 LocalLauncher::~LocalLauncher() { stop(std::chrono::milliseconds(0)); }
 

@@ -98,6 +98,7 @@ struct LocalLaunchOptions {
   std::filesystem::path run_dir;                 // removed by workers if the driver dies
   std::optional<std::filesystem::path> log_dir;  // one log file per worker
   bool quiet = false;                            // worker output off the terminal
+  std::shared_ptr<ForkServer> fork_server;       // started early by the driver, or null
 };
 
 // Local workers: `twinkle worker` processes of this machine (Spawner), connected through a

@@ -53,6 +53,8 @@ struct Spawner::Proc {
   std::deque<std::string> tail;
   Fd log;  // close-on-exec, unlike a std::ofstream's: the processes spawned later must not get it
   bool running = false;
+  const ForkServer* forked =
+      nullptr;  // the fork server that forked it, reaps it and reports its exit
 };
 
 namespace {
@@ -106,6 +108,24 @@ pid_t Spawner::spawn(ProcessSpec spec) {
   FdPair out = FdPair::pipe(spec.name.c_str());
   FdPair err = FdPair::pipe(spec.name.c_str());
 
+  if (!fork_from_server(*proc, spec, out.second.get(), err.second.get()))
+    spawn_process(*proc, spec, out.second.get(), err.second.get());
+  const pid_t pid = proc->pid;
+  proc->out[0] = std::move(out.first);
+  proc->out[1] = std::move(err.first);
+  fcntl(proc->out[0].get(), F_SETFL, O_NONBLOCK);
+  fcntl(proc->out[1].get(), F_SETFL, O_NONBLOCK);
+  // out.second, err.second and the inherited descriptors close here: the child has its copies.
+  {
+    std::lock_guard lock(mu_);
+    procs_.push_back(std::move(proc));
+  }
+  if (!monitor_.joinable()) monitor_ = std::thread([this] { monitor(); });
+  wake();
+  return pid;
+}
+
+void Spawner::spawn_process(Proc& proc, const ProcessSpec& spec, int out, int err) {
   std::vector<char*> argv, envp;
   for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -123,8 +143,8 @@ pid_t Spawner::spawn(ProcessSpec spec) {
   posix_spawnattr_setflags(&sa.attr,
                            POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
   posix_spawn_file_actions_addopen(&sa.actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&sa.actions, out.second.get(), 1);
-  posix_spawn_file_actions_adddup2(&sa.actions, err.second.get(), 2);
+  posix_spawn_file_actions_adddup2(&sa.actions, out, 1);
+  posix_spawn_file_actions_adddup2(&sa.actions, err, 2);
   // dup2 clears close-on-exec on the target: the child keeps exactly these. Each goes first to a
   // number above every source and target, then to its target, so that no dup2 overwrites a
   // descriptor a later one copies (a source that is another's target).
@@ -152,21 +172,82 @@ pid_t Spawner::spawn(ProcessSpec spec) {
         fmt::format("cannot start {} ({}): {}", spec.name, spec.argv.at(0), std::strerror(rc)));
   }
   if (pgid_.load() == 0) pgid_ = pid;
-  proc->pid = pid;
-  proc->running = true;
-  proc->pidfd = open_pidfd(pid);
-  proc->out[0] = std::move(out.first);
-  proc->out[1] = std::move(err.first);
-  fcntl(proc->out[0].get(), F_SETFL, O_NONBLOCK);
-  fcntl(proc->out[1].get(), F_SETFL, O_NONBLOCK);
-  // out.second, err.second and the inherited descriptors close here: the child has its copies.
+  proc.pid = pid;
+  proc.running = true;
+  proc.pidfd = open_pidfd(pid);
+}
+
+// Forks `spec` from the fork server when it runs the server's binary and may be forked (see
+// ForkServer::suits); false when it is to be spawned. A server that cannot start or fails is
+// given up with one warning: every later process is spawned.
+bool Spawner::fork_from_server(Proc& proc, ProcessSpec& spec, int out, int err) {
+  if (!options_.fork_server || server_failed_ || spec.argv.empty() ||
+      spec.argv[0] != options_.fork_server->string())
+    return false;
+  std::string why;
+  if (!server_ && options_.started_server && options_.started_server->exe() == spec.argv[0])
+    server_ = std::move(options_.started_server);
+  if (!server_ || (server_->forks() == 0 && !server_->suits(spec.env))) {
+    // None yet, or one started with another environment and not used: one with this process's.
+    auto started = ForkServer::start(*options_.fork_server, spec.env, why);
+    std::lock_guard lock(mu_);
+    server_ = std::move(started);
+  }
+  if (server_) {
+    if (!server_->suits(spec.env)) return false;
+    std::vector<std::pair<int, int>> inherit;
+    for (const auto& [fd, target] : spec.inherit) inherit.emplace_back(fd.get(), target);
+    try {
+      const auto f = server_->fork(pgid_.load(), spec.argv, spec.env, out, err, inherit);
+      proc.pid = f.pid;
+      proc.running = true;
+      proc.forked = server_.get();
+      proc.pidfd = open_pidfd(f.pid);  // for kill_and_reap's wait; the server reports the exit
+      pgid_ = f.pgid;
+      spec.inherit.clear();  // the child has its copies
+      return true;
+    } catch (const Error& e) {
+      why = e.what();
+    }
+  }
+  server_failed_ = true;
+  std::fprintf(stderr, "twinkle: warning: workers are spawned, not forked, from now on: %s\n",
+               why.c_str());
+  std::fflush(stderr);
+  return false;
+}
+
+// Finishes the processes whose exits the fork server reported (or, when it is gone, all that it
+// forked: they died with it); keeps the exits of processes spawn() has not recorded yet.
+void Spawner::server_reports(ForkServer& server) {
+  std::vector<std::pair<pid_t, int>> exits;
+  const bool open =
+      server.read_reports([&](pid_t pid, int status) { exits.emplace_back(pid, status); });
+  std::vector<std::pair<Proc*, int>> done;
   {
     std::lock_guard lock(mu_);
-    procs_.push_back(std::move(proc));
+    for (const auto& [pid, status] : exits) {
+      auto it = std::find_if(procs_.begin(), procs_.end(), [pid = pid](const auto& p) {
+        return p->forked && p->running && p->pid == pid;
+      });
+      if (it == procs_.end()) {
+        early_exits_.emplace_back(pid, status);
+      } else {
+        done.emplace_back(it->get(), status);
+      }
+    }
+    if (!open) {
+      for (auto& p : procs_) {
+        if (p->forked == &server && p->running &&
+            std::none_of(done.begin(), done.end(),
+                         [&](const auto& d) { return d.first == p.get(); })) {
+          ::kill(p->pid, SIGKILL);
+          done.emplace_back(p.get(), SIGKILL);  // a wait status: killed by SIGKILL
+        }
+      }
+    }
   }
-  if (!monitor_.joinable()) monitor_ = std::thread([this] { monitor(); });
-  wake();
-  return pid;
+  for (auto [p, status] : done) finish(*p, status);
 }
 
 void Spawner::write_line(Proc& p, bool is_stderr, const std::string& line) {
@@ -234,6 +315,7 @@ void Spawner::finish(Proc& p, int status) {
 
 void Spawner::monitor() {
   std::vector<pollfd> fds;
+  std::shared_ptr<ForkServer> server;         // a copy: spawn() may replace server_ meanwhile
   std::vector<std::pair<Proc*, int>> owners;  // stream 0/1, or 2 for the pidfd
   for (;;) {
     fds.clear();
@@ -250,13 +332,35 @@ void Spawner::monitor() {
             owners.emplace_back(p.get(), s);
           }
         }
-        if (p->running && p->pidfd) {
+        if (p->running && !p->forked && p->pidfd) {
           fds.push_back({p->pidfd.get(), POLLIN, 0});
           owners.emplace_back(p.get(), 2);
         }
-        unwatched |= p->running && !p->pidfd;
+        unwatched |= p->running && !p->forked && !p->pidfd;
+      }
+      server = server_;
+      if (server && server->reports_open()) {
+        fds.push_back({server->reports_fd(), POLLIN, 0});
+        owners.emplace_back(nullptr, 3);
       }
     }
+    // Exits the fork server reported before spawn() had recorded the process.
+    std::vector<std::pair<Proc*, int>> early;
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = early_exits_.begin(); it != early_exits_.end();) {
+        auto p = std::find_if(procs_.begin(), procs_.end(), [&](const auto& q) {
+          return q->forked && q->running && q->pid == it->first;
+        });
+        if (p == procs_.end()) {
+          ++it;
+          continue;
+        }
+        early.emplace_back(p->get(), it->second);
+        it = early_exits_.erase(it);
+      }
+    }
+    for (auto [p, status] : early) finish(*p, status);
     if (stopping_ && running() == 0) break;
     if (::poll(fds.data(), fds.size(), unwatched ? 20 : -1) < 0 && errno != EINTR) break;
     if (fds[0].revents & POLLIN) {
@@ -266,6 +370,10 @@ void Spawner::monitor() {
     for (std::size_t i = 1; i < fds.size(); ++i) {
       auto [p, s] = owners[i];
       if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (s == 3) {
+        server_reports(*server);
+        continue;
+      }
       if (s < 2) {
         if (p->out[s]) relay(*p, s);
         continue;
@@ -281,7 +389,7 @@ void Spawner::monitor() {
       {
         std::lock_guard lock(mu_);
         for (auto& p : procs_) {
-          if (p->running && !p->pidfd) todo.push_back(p.get());
+          if (p->running && !p->forked && !p->pidfd) todo.push_back(p.get());
         }
       }
       for (Proc* p : todo) {
@@ -304,6 +412,12 @@ std::size_t Spawner::running() const {
   std::size_t n = 0;
   for (const auto& p : procs_) n += p->running;
   return n;
+}
+
+std::size_t Spawner::forked() const {
+  std::lock_guard lock(mu_);
+  return static_cast<std::size_t>(
+      std::count_if(procs_.begin(), procs_.end(), [](const auto& p) { return p->forked; }));
 }
 
 std::vector<pid_t> Spawner::pids() const {
@@ -329,15 +443,30 @@ int Spawner::signal(const std::string& name, int sig) const {
 void Spawner::kill_and_reap() noexcept {
   signal_all(SIGKILL);
   std::vector<pid_t> running;
+  std::vector<pollfd> forked;  // the fork server reaps these: wait for their pidfds
   {
     std::lock_guard lock(mu_);
     for (const auto& p : procs_) {
-      if (p->running) running.push_back(p->pid);
+      if (!p->running) continue;
+      if (!p->forked) {
+        running.push_back(p->pid);
+      } else if (p->pidfd) {
+        forked.push_back({p->pidfd.get(), POLLIN, 0});
+      }
     }
   }
   for (pid_t pid : running) {
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (auto& f : forked) {
+    while (std::chrono::steady_clock::now() < deadline) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      const int r = ::poll(&f, 1, static_cast<int>(left.count()) + 1);
+      if (r > 0 || (r < 0 && errno != EINTR)) break;
     }
   }
 }

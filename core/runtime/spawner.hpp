@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/runtime/fork_server.hpp"
 #include "core/runtime/log_dir.hpp"
 #include "transports/fd.hpp"
 #include "twinkle/fd.hpp"
@@ -59,12 +60,19 @@ struct SpawnerOptions {
   std::size_t stderr_tail = 20;                  // lines of stderr kept for ProcessExit
   // Where output lines go instead of the terminal (a node agent relays them to the driver).
   std::function<void(const std::string& name, bool is_stderr, const std::string& line)> on_line;
+  // The worker binary, when its processes are to be forked by its fork server (ForkServer,
+  // started at the first of them) instead of spawned; the rest are spawned all the same.
+  std::optional<std::filesystem::path> fork_server;
+  // That binary's fork server when it was started before the spawner (the driver starts it
+  // beside its own start-up); the spawner starts one itself otherwise.
+  std::shared_ptr<ForkServer> started_server;
 };
 
 // Starts processes and watches them, for the local launcher and the node agent:
-// - every process is started with posix_spawn (vfork semantics: no copy of a large parent), in
-//   one process group of its own, with stdin on /dev/null, the signal mask cleared and only the
-//   descriptors of its spec inherited;
+// - every process is started with posix_spawn (vfork semantics: no copy of a large parent), or
+//   forked by the fork server of `fork_server` when it runs that binary, in one process group of
+//   its own, with stdin on /dev/null, the signal mask cleared and only the descriptors of its spec
+//   inherited;
 // - one monitor thread relays each process's stdout/stderr line by line with a "[name] " prefix
 //   (and into --log-dir), and reaps exits as they happen (pidfds: no polling interval), calling
 //   the exit handler once per process, from the monitor thread, after its last output lines;
@@ -101,6 +109,8 @@ class Spawner {
 
   std::size_t running() const;
   std::vector<pid_t> pids() const;
+  // How many of the processes started were forked by the fork server.
+  std::size_t forked() const;
 
  private:
   struct Proc;
@@ -110,6 +120,9 @@ class Spawner {
   void finish(Proc& p, int status);
   void write_line(Proc& p, bool is_stderr, const std::string& line);
   void close_all_pipes();
+  bool fork_from_server(Proc& proc, ProcessSpec& spec, int out, int err);
+  void spawn_process(Proc& proc, const ProcessSpec& spec, int out, int err);
+  void server_reports(ForkServer& server);
 
   SpawnerOptions options_;
   ExitHandler on_exit_;
@@ -121,7 +134,13 @@ class Spawner {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;            // guards procs_ (the vector and each Proc's exit state)
   std::condition_variable exit_cv_;  // notified on every exit
-  std::mutex out_mu_;                // one line at a time on the terminal
+  // The fork server: started, used, replaced and given up by spawn() (replaced under mu_); its
+  // reports read by the monitor, which holds a copy while it does. Exits it reported before
+  // spawn() knew the process: pid -> wait status.
+  std::shared_ptr<ForkServer> server_;
+  bool server_failed_ = false;
+  std::vector<std::pair<pid_t, int>> early_exits_;  // guarded by mu_
+  std::mutex out_mu_;                               // one line at a time on the terminal
 };
 
 }  // namespace twinkle::core

@@ -471,6 +471,38 @@ TOML
     workers_gone_within 1000
     expect_clean
     ;;
+  fork_server)
+    # Workers are forked by one fork server, the driver's child, and look as spawned ones do;
+    # with TWINKLE_FORK_SERVER=0 the driver spawns each itself. Either way a stop leaves nothing.
+    ppid() { awk '{print $4}' "/proc/$1/stat"; }
+    cmd() { tr '\0' ' ' <"/proc/$1/cmdline"; }
+    start_hanging
+    server=$(ppid "$(echo $WORKER_PIDS | cut -d" " -f1)")
+    [ "$(ppid "$server")" = "$DRIVER_PID" ] || fail "the workers' parent $server is not the driver's child"
+    [[ $(cmd "$server") == *"twinkle-worker --fork-server"* ]] || fail "the workers' parent is not the fork server: $(cmd "$server")"
+    for pid in $WORKER_PIDS; do
+      [ "$(ppid "$pid")" = "$server" ] || fail "worker $pid was not forked by the fork server $server"
+      [[ $(cmd "$pid") == *"twinkle-worker --endpoint "*" --plugin $PLUGIN --run-dir $TMPDIR/"* ]] ||
+        fail "worker $pid's command line is not a worker's: $(cmd "$pid")"
+    done
+    kill -TERM $DRIVER_PID
+    wait_driver
+    [ "$DRIVER_RC" -eq 143 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 143"; }
+    workers_gone_within 1000
+    alive "$server" && fail "the fork server $server outlived its run"
+    expect_clean
+    export TWINKLE_FORK_SERVER=0
+    start_hanging
+    for pid in $WORKER_PIDS; do
+      [ "$(ppid "$pid")" = "$DRIVER_PID" ] || fail "with TWINKLE_FORK_SERVER=0, worker $pid is not the driver's child"
+    done
+    pgrep -P $DRIVER_PID -f -- "--fork-server" >/dev/null && fail "TWINKLE_FORK_SERVER=0 still started a fork server"
+    kill -TERM $DRIVER_PID
+    wait_driver
+    [ "$DRIVER_RC" -eq 143 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC, expected 143"; }
+    workers_gone_within 1000
+    expect_clean
+    ;;
   sigint|sigterm|sigkill)
     start_hanging
     case $4 in

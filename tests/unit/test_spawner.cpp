@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "core/runtime/spawner.hpp"
 #include "tests/unit/fixtures.hpp"
 #include "twinkle/errors.hpp"
@@ -319,4 +321,196 @@ TEST_CASE("no child is left once the spawner is destroyed", "[spawner]") {
     CHECK(errno == ESRCH);
   }
   CHECK(no_children());
+}
+
+namespace {
+
+// The fork server of the test program tests/unit/fork_server_child.cpp, and its processes.
+fs::path fork_child() {
+  const char* p = std::getenv("TWINKLE_FORK_SERVER_CHILD");
+  REQUIRE(p);
+  return p;
+}
+
+SpawnerOptions forking(std::optional<fs::path> log_dir = std::nullopt) {
+  SpawnerOptions o = quiet(std::move(log_dir));
+  o.fork_server = fork_child();
+  return o;
+}
+
+ProcessSpec child(const std::string& name, std::vector<std::string> args,
+                  std::vector<std::string> env = {"PATH=/usr/bin:/bin"}) {
+  ProcessSpec s;
+  s.name = name;
+  s.argv = {fork_child().string()};
+  s.argv.insert(s.argv.end(), args.begin(), args.end());
+  s.env = std::move(env);
+  return s;
+}
+
+// /proc/PID/cmdline with its NULs as spaces, trailing ones dropped.
+std::string cmdline(pid_t pid) {
+  std::string s = read_file(fs::path("/proc") / std::to_string(pid) / "cmdline");
+  std::replace(s.begin(), s.end(), '\0', ' ');
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+// The fork server this process started (a child whose command line has --fork-server); 0: none.
+pid_t fork_server_pid() {
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(e.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    const pid_t pid = std::stoi(name);
+    if (ppid == ::getpid() && cmdline(pid).find("--fork-server") != std::string::npos) return pid;
+  }
+  return 0;
+}
+
+ProcessExit exit_of(Exits& exits, const std::string& name) {
+  std::lock_guard lock(exits.mu);
+  for (const auto& e : exits.list) {
+    if (e.name == name) return e;
+  }
+  FAIL("no exit of " << name);
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("processes of the fork server's binary are forked, and look and end as spawned ones",
+          "[spawner][fork]") {
+  TempDir tmp;
+  Exits exits;
+  Spawner spawner(forking(tmp.path), exits.handler());
+  spawner.spawn(child("a", {"say", "hello"}));
+  spawner.spawn(child("b", {"env", "RANK"}, {"PATH=/usr/bin:/bin", "RANK=3"}));
+  spawner.spawn(child("c", {"exit", "7"}));
+  const pid_t w = spawner.spawn(child("w", {"wait"}));
+  // The child writes its command line first thing (until then it is the server's).
+  const std::string expected = fork_child().string() + " wait";
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (cmdline(w) != expected && std::chrono::steady_clock::now() < deadline) {
+    pollfd none{-1, 0, 0};
+    ::poll(&none, 0, 1);
+  }
+  CHECK(cmdline(w) == expected);
+  CHECK(fork_server_pid() != 0);
+  REQUIRE(exits.wait_for(3));
+  CHECK(spawner.signal("w", SIGTERM) == 1);
+  REQUIRE(exits.wait_for(4));
+  CHECK(spawner.forked() == 4);
+  CHECK(exit_of(exits, "a").exit_code == 0);
+  CHECK(exit_of(exits, "b").exit_code == 0);
+  CHECK(exit_of(exits, "c").exit_code == 7);
+  CHECK(exit_of(exits, "w").signal == SIGTERM);
+  CHECK(read_file(tmp.path / "a.log") == "hello\n");
+  CHECK(read_file(tmp.path / "b.log") == "3\n");
+}
+
+TEST_CASE("a forked process has exactly its spec's descriptors, each under its number",
+          "[spawner][fork]") {
+  TempDir tmp;
+  Exits exits;
+  Spawner spawner(forking(tmp.path), exits.handler());
+  FdPair pipe = FdPair::pipe("the test pipe");
+  ProcessSpec spec = child("t", {"tell", "5", "hi"});
+  spec.inherit.emplace_back(std::move(pipe.second), 5);
+  spawner.spawn(std::move(spec));
+  CHECK(read_to_eof(pipe.first.get()) == "hi");
+  spawner.spawn(child("n", {"fds"}));  // the log files and the server's sockets stay here
+  REQUIRE(exits.wait_for(2));
+  CHECK(spawner.forked() == 2);
+  const std::string listing = read_file(tmp.path / "n.log");
+  INFO(listing);
+  CHECK(listing == "3\n");  // 0, 1 and 2
+}
+
+TEST_CASE("a process whose loader environment is not the server's is spawned, not forked",
+          "[spawner][fork]") {
+  TempDir tmp;
+  Exits exits;
+  Spawner spawner(forking(tmp.path), exits.handler());
+  spawner.spawn(child("forked", {"exit", "0"}));
+  spawner.spawn(child("spawned", {"env", "LD_BIND_NOW"}, {"PATH=/usr/bin:/bin", "LD_BIND_NOW=1"}));
+  spawner.spawn(child("other", {"exit", "0"}, {"PATH=/bin", "MALLOC_ARENA_MAX=1"}));
+  REQUIRE(exits.wait_for(3));
+  CHECK(spawner.forked() == 1);
+  CHECK(exit_of(exits, "spawned").exit_code == 0);
+  CHECK(read_file(tmp.path / "spawned.log") == "1\n");
+}
+
+TEST_CASE("forked processes that exit at once are each reported once, with their code",
+          "[spawner][fork]") {
+  // The server may report an exit before spawn() has recorded the process.
+  Exits exits;
+  Spawner spawner(forking(), exits.handler());
+  constexpr int kCount = 40;
+  for (int i = 0; i < kCount; ++i) spawner.spawn(child(fmt::format("p{}", i), {"exit", "3"}));
+  REQUIRE(exits.wait_for(kCount, 20s));
+  CHECK(spawner.forked() == kCount);
+  CHECK(spawner.running() == 0);
+  std::lock_guard lock(exits.mu);
+  CHECK(exits.list.size() == kCount);
+  for (const auto& e : exits.list) CHECK(e.exit_code == 3);
+}
+
+TEST_CASE("stop() and the destructor leave no forked process, no server and no zombie",
+          "[spawner][fork]") {
+  std::vector<pid_t> pids;
+  pid_t server = 0;
+  {
+    Spawner spawner(forking(), {});
+    spawner.spawn(child("a", {"wait"}));
+    spawner.spawn(child("b", {"wait"}));
+    pids = spawner.pids();
+    server = fork_server_pid();
+    CHECK(spawner.running() == 2);
+    const auto signalled = spawner.stop(0ms, 200ms);
+    CHECK(signalled == std::vector<std::string>{"a", "b"});
+    CHECK(spawner.running() == 0);
+  }
+  REQUIRE(server != 0);
+  pids.push_back(server);
+  for (pid_t pid : pids) {
+    INFO("pid " << pid);
+    CHECK(::kill(pid, 0) == -1);
+    CHECK(errno == ESRCH);
+  }
+  CHECK(no_children());
+}
+
+TEST_CASE("a fork server that dies takes its processes along; later ones are spawned, once warned",
+          "[spawner][fork]") {
+  TempDir tmp;
+  Exits exits;
+  Spawner spawner(forking(tmp.path), exits.handler());
+  spawner.spawn(child("w", {"wait"}));
+  const pid_t server = fork_server_pid();
+  REQUIRE(server != 0);
+  ::kill(server, SIGKILL);
+  REQUIRE(exits.wait_for(1));
+  CHECK(exit_of(exits, "w").signal == SIGKILL);
+  {
+    CaptureOutput capture(tmp.path / "stderr");
+    spawner.spawn(child("after", {"say", "spawned"}));
+    spawner.spawn(child("again", {"say", "spawned"}));
+    REQUIRE(exits.wait_for(3));
+  }
+  CHECK(spawner.forked() == 1);
+  CHECK(exit_of(exits, "after").exit_code == 0);
+  CHECK(read_file(tmp.path / "after.log") == "spawned\n");
+  const std::string warned = read_file(tmp.path / "stderr");
+  INFO(warned);
+  CHECK_THAT(warned, Catch::Contains("spawned, not forked"));
+  CHECK(warned.find("warning") == warned.rfind("warning"));  // once
 }

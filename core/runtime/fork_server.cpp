@@ -1,0 +1,432 @@
+#include "core/runtime/fork_server.hpp"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <string_view>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <msgpack.hpp>
+
+#include "twinkle/errors.hpp"
+
+extern char** environ;
+
+namespace twinkle::core {
+
+namespace {
+
+constexpr int kRequestFd = 3;  // the server's ends of its two sockets
+constexpr int kReportFd = 4;
+constexpr std::size_t kMaxRequest = 256 * 1024;  // argv and environment, packed
+constexpr std::size_t kMaxFds = 64;              // stdout, stderr and what a process inherits
+constexpr std::size_t kTitleRoom = 4095;         // the server's padding argument: room for argv
+// How long the launcher waits for the server to answer a request before it is taken for gone.
+constexpr int kReplyTimeoutMs = 10000;
+
+// The request: process group, argv, environment, and the numbers in the child of the descriptors
+// that come with it (after stdout and stderr).
+using Request =
+    std::tuple<std::int32_t, std::vector<std::string>, std::vector<std::string>, std::vector<int>>;
+struct Reply {
+  std::int32_t pid = 0;
+  std::int32_t pgid = 0;
+  std::int32_t error = 0;  // errno of a failed fork
+};
+struct Report {
+  std::int32_t pid = 0;
+  std::int32_t status = 0;  // waitpid's
+};
+
+bool startup_key(const std::string& entry) {
+  return entry.rfind("LD_", 0) == 0 || entry.rfind("GLIBC_TUNABLES=", 0) == 0 ||
+         entry.rfind("MALLOC_", 0) == 0;
+}
+
+std::vector<std::string> startup_entries(const std::vector<std::string>& env) {
+  std::vector<std::string> out;
+  for (const auto& e : env) {
+    if (startup_key(e)) out.push_back(e);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+ssize_t send_with_fds(int sock, const void* data, std::size_t size, const std::vector<int>& fds) {
+  iovec iov{const_cast<void*>(data), size};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  if (!fds.empty()) {
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  ssize_t n;
+  while ((n = ::sendmsg(sock, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
+  }
+  return n;
+}
+
+// Receives one request: its bytes (size returned; 0 at the end of the stream, -1 on an error or
+// a request cut short) and its descriptors, owned.
+ssize_t receive_request(int sock, std::vector<char>& buf, std::vector<Fd>& fds) {
+  fds.clear();
+  iovec iov{buf.data(), buf.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  while ((n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {
+  }
+  if (n < 0) return -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      fds.emplace_back(fd);
+    }
+  }
+  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return -1;
+  return n;
+}
+
+// The server's command line memory, [begin, end): argv's strings lie there one after another.
+struct TitleArea {
+  char* begin = nullptr;
+  std::size_t size = 0;
+};
+
+// Writes `argv` over the server's command line, NUL-separated as the kernel lays it out, cut to
+// the room there is; the rest is zeroed.
+void set_command_line(const TitleArea& area, const std::vector<std::string>& argv) {
+  if (!area.begin || area.size == 0) return;
+  std::size_t at = 0;
+  for (const auto& a : argv) {
+    if (at >= area.size - 1) break;
+    const std::size_t n = std::min(a.size(), area.size - 1 - at);
+    std::memcpy(area.begin + at, a.data(), n);
+    at += n;
+    area.begin[at++] = '\0';
+  }
+  std::memset(area.begin + at, 0, area.size - at);
+}
+
+// In the forked child: becomes the process the request describes and runs `main`.
+[[noreturn]] void become(Request& request, std::vector<Fd>& fds, const TitleArea& title,
+                         WorkerMain main) {
+  auto& [pgid, argv, env, targets] = request;
+  set_command_line(title, argv);  // first: `ps` shows the server's line only for a moment
+  if (::setpgid(0, pgid) != 0) ::setpgid(0, 0);  // that group is gone: a new one
+  // What the server ignored or blocked, a worker has by default.
+  sigset_t none;
+  sigemptyset(&none);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGPIPE, SIGCHLD}) ::signal(s, SIG_DFL);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+
+  // Descriptors: /dev/null, stdout, stderr, then those of the request, each first to a number
+  // above every target (so that no dup2 overwrites one a later one copies), then to its target.
+  std::vector<std::pair<int, int>> moves;  // (descriptor here, target)
+  Fd null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  moves.emplace_back(null.get(), 0);
+  moves.emplace_back(fds[0].get(), 1);
+  moves.emplace_back(fds[1].get(), 2);
+  for (std::size_t i = 0; i < targets.size(); ++i) moves.emplace_back(fds[i + 2].get(), targets[i]);
+  int above = 2;
+  for (const auto& [fd, target] : moves) above = std::max(above, target);
+  for (auto& [fd, target] : moves) fd = ::fcntl(fd, F_DUPFD_CLOEXEC, above + 1);
+  std::vector<int> kept;
+  for (const auto& [fd, target] : moves) {
+    if (fd < 0 || ::dup2(fd, target) < 0) ::_exit(127);
+    kept.push_back(target);
+  }
+  std::sort(kept.begin(), kept.end());
+  unsigned from = 0;
+  for (int t : kept) {
+    if (static_cast<unsigned>(t) > from) ::close_range(from, static_cast<unsigned>(t) - 1, 0);
+    from = static_cast<unsigned>(t) + 1;
+  }
+  ::close_range(from, ~0U, 0);
+  for (auto& f : fds) (void)f.release();  // closed above, by number
+  (void)null.release();
+
+  // The environment: the request's, with the parent this process checks it still has (the
+  // server, which dies with the launcher).
+  auto* strings = new std::vector<std::string>(std::move(env));
+  for (auto& e : *strings) {
+    if (e.rfind("TWINKLE_PARENT_PID=", 0) == 0) e = fmt::format("TWINKLE_PARENT_PID={}", getppid());
+  }
+  auto* envp = new std::vector<char*>;
+  for (auto& e : *strings) envp->push_back(e.data());
+  envp->push_back(nullptr);
+  environ = envp->data();
+
+  auto* args = new std::vector<char*>;
+  for (auto& a : argv) args->push_back(a.data());
+  args->push_back(nullptr);
+  std::exit(main(static_cast<int>(args->size() - 1), args->data()));
+}
+
+}  // namespace
+
+int serve_forks(int argc, char** argv, WorkerMain main) {
+  // Die with the launcher, and not at all if it is gone already.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (const char* parent = std::getenv("TWINKLE_PARENT_PID")) {
+    if (getppid() != static_cast<pid_t>(std::atoll(parent))) return 1;
+  }
+  // The terminal's signals are the launcher's to handle; it stops the server by closing its
+  // socket.
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGPIPE}) ::signal(s, SIG_IGN);
+  sigset_t chld;
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  ::sigprocmask(SIG_BLOCK, &chld, nullptr);
+  Fd exits(::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK));
+  if (!exits) return 1;
+
+  // What every worker does the same way at its start, done once here for all of them: the C
+  // library reads nsswitch.conf and looks for the NSS modules of the protocols database when libzmq
+  // (its PGM transport) asks for "pgm" in each context it creates.
+  (void)::getprotobyname("pgm");
+
+  TitleArea title;
+  if (argc > 0) {
+    title.begin = argv[0];
+    title.size =
+        static_cast<std::size_t>(argv[argc - 1] + std::strlen(argv[argc - 1]) + 1 - argv[0]);
+  }
+  std::vector<char> buf(kMaxRequest);
+  std::vector<Fd> fds;
+  std::set<pid_t> children;
+  bool open = true;
+  while (open || !children.empty()) {
+    pollfd p[2] = {{exits.get(), POLLIN, 0}, {open ? kRequestFd : -1, POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return 1;
+    }
+    if (p[0].revents & POLLIN) {
+      signalfd_siginfo info;
+      while (::read(exits.get(), &info, sizeof info) > 0) {
+      }
+      int status = 0;
+      pid_t pid;
+      while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+        children.erase(pid);
+        const Report r{pid, status};
+        if (open) (void)send_with_fds(kReportFd, &r, sizeof r, {});
+      }
+    }
+    if (!(p[1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    const ssize_t n = receive_request(kRequestFd, buf, fds);
+    if (n <= 0) {
+      // The launcher closed its end (or it broke): what was forked and still runs goes too.
+      open = false;
+      for (pid_t c : children) ::kill(c, SIGKILL);
+      continue;
+    }
+    Reply reply;
+    Request request;
+    try {
+      msgpack::object_handle oh = msgpack::unpack(buf.data(), static_cast<std::size_t>(n));
+      oh.get().convert(request);
+    } catch (const std::exception&) {
+      reply.error = EINVAL;
+    }
+    if (!reply.error && fds.size() != std::get<3>(request).size() + 2) reply.error = EINVAL;
+    if (!reply.error) {
+      std::fflush(nullptr);
+      const pid_t pid = ::fork();
+      if (pid == 0) become(request, fds, title, main);
+      if (pid < 0) {
+        reply.error = errno;
+      } else {
+        children.insert(pid);
+        // Here too, so that the group is set when the launcher hears of the process, whichever
+        // of the two runs first. A group that is gone: the process leads a new one.
+        pid_t pgid = std::get<0>(request);
+        if (pgid != 0 && ::setpgid(pid, pgid) != 0 && errno == EPERM) pgid = 0;
+        if (pgid == 0) {
+          ::setpgid(pid, pid);
+          pgid = pid;
+        }
+        reply.pid = pid;
+        reply.pgid = pgid;
+      }
+    }
+    fds.clear();
+    if (send_with_fds(kRequestFd, &reply, sizeof reply, {}) < 0) open = false;
+  }
+  return 0;
+}
+
+bool fork_server_enabled() {
+  const char* v = std::getenv("TWINKLE_FORK_SERVER");
+  return !v || std::string_view(v) != "0";
+}
+
+std::unique_ptr<ForkServer> ForkServer::start(const std::filesystem::path& exe,
+                                              const std::vector<std::string>& env,
+                                              std::string& why) {
+  int requests[2], reports[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, requests) != 0) {
+    why = fmt::format("socketpair: {}", std::strerror(errno));
+    return nullptr;
+  }
+  Fd req_here(requests[0]), req_there(requests[1]);
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, reports) != 0) {
+    why = fmt::format("socketpair: {}", std::strerror(errno));
+    return nullptr;
+  }
+  Fd rep_here(reports[0]), rep_there(reports[1]);
+
+  std::vector<std::string> server_env;
+  for (const auto& e : env) {
+    if (e.rfind("TWINKLE_PARENT_PID=", 0) != 0) server_env.push_back(e);
+  }
+  server_env.push_back(fmt::format("TWINKLE_PARENT_PID={}", getpid()));
+  std::vector<std::string> args = {exe.string(), kForkServerFlag, std::string(kTitleRoom, ' ')};
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : server_env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_init(&attr);
+  posix_spawn_file_actions_init(&actions);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int s : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&defaults, s);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  // It writes nothing and must not hold the launcher's stdout open (a caller reading it to its
+  // end); stderr stays, for what the C library may have to say.
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  // Through numbers above both targets, so that neither dup2 overwrites the other's source.
+  const int stage = std::max({req_there.get(), rep_there.get(), kReportFd}) + 1;
+  posix_spawn_file_actions_adddup2(&actions, req_there.get(), stage);
+  posix_spawn_file_actions_adddup2(&actions, rep_there.get(), stage + 1);
+  posix_spawn_file_actions_adddup2(&actions, stage, kRequestFd);
+  posix_spawn_file_actions_adddup2(&actions, stage + 1, kReportFd);
+  posix_spawn_file_actions_addclose(&actions, stage);
+  posix_spawn_file_actions_addclose(&actions, stage + 1);
+  pid_t pid = 0;
+  const int rc = ::posix_spawn(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    why = fmt::format("cannot start {} {}: {}", exe.string(), kForkServerFlag, std::strerror(rc));
+    return nullptr;
+  }
+  std::unique_ptr<ForkServer> s(new ForkServer);
+  s->exe_ = exe;
+  s->pid_ = pid;
+  s->requests_ = std::move(req_here);
+  s->reports_ = std::move(rep_here);
+  s->startup_env_ = startup_entries(env);
+  return s;
+}
+
+ForkServer::~ForkServer() {
+  requests_.reset();  // the server kills what it forked and still runs, reaps it, and exits
+  if (pid_ <= 0) return;
+  const Fd exited = open_pidfd(pid_);
+  pollfd p{exited.get(), POLLIN, 0};
+  if (!exited || ::poll(&p, 1, 5000) <= 0) ::kill(pid_, SIGKILL);
+  int status;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+}
+
+bool ForkServer::suits(const std::vector<std::string>& env) const {
+  return startup_entries(env) == startup_env_;
+}
+
+ForkServer::Forked ForkServer::fork(pid_t pgid, const std::vector<std::string>& argv,
+                                    const std::vector<std::string>& env, int out, int err,
+                                    const std::vector<std::pair<int, int>>& inherit) {
+  Request request;
+  std::get<0>(request) = pgid;
+  std::get<1>(request) = argv;
+  std::get<2>(request) = env;
+  std::vector<int> fds = {out, err};
+  for (const auto& [fd, target] : inherit) {
+    fds.push_back(fd);
+    std::get<3>(request).push_back(target);
+  }
+  msgpack::sbuffer packed;
+  msgpack::pack(packed, request);
+  if (packed.size() > kMaxRequest || fds.size() > kMaxFds)
+    throw Error(
+        fmt::format("the process's argv and environment ({} bytes) exceed the fork "
+                    "server's {} bytes",
+                    packed.size(), kMaxRequest));
+  if (send_with_fds(requests_.get(), packed.data(), packed.size(), fds) < 0)
+    throw Error(fmt::format("the fork server (pid {}) is gone: {}", pid_, std::strerror(errno)));
+  pollfd p{requests_.get(), POLLIN, 0};
+  int ready;
+  while ((ready = ::poll(&p, 1, kReplyTimeoutMs)) < 0 && errno == EINTR) {
+  }
+  Reply reply;
+  ssize_t n = -1;
+  if (ready > 0) {
+    while ((n = ::recv(requests_.get(), &reply, sizeof reply, 0)) < 0 && errno == EINTR) {
+    }
+  }
+  if (n != static_cast<ssize_t>(sizeof reply)) {
+    requests_.reset();  // a server that does not answer serves no more
+    throw Error(fmt::format("the fork server (pid {}) did not answer", pid_));
+  }
+  if (reply.error)
+    throw Error(fmt::format("the fork server could not fork: {}", std::strerror(reply.error)));
+  ++forks_;
+  return {reply.pid, reply.pgid};
+}
+
+bool ForkServer::read_reports(const std::function<void(pid_t, int)>& on_exit) {
+  for (;;) {
+    Report r;
+    const ssize_t n = ::recv(reports_.get(), &r, sizeof r, MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(sizeof r)) {
+      on_exit(r.pid, r.status);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    reports_open_ = false;
+    return false;
+  }
+}
+
+}  // namespace twinkle::core
