@@ -283,7 +283,9 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
     fds.clear();
     if (send_with_fds(kRequestFd, &reply, sizeof reply, {}) < 0) open = false;
   }
-  return 0;
+  // Nothing of the server needs destroying, and the launcher waits for its end: no exit handlers
+  // and no library's destructors (each touching its code pages again).
+  ::_exit(0);
 }
 
 bool fork_server_enabled() {

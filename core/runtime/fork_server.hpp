@@ -26,7 +26,8 @@ inline constexpr const char* kForkServerFlag = "--fork-server";
 using WorkerMain = int (*)(int argc, char** argv);
 
 // Serves forks on descriptors 3 (requests and replies) and 4 (exit reports) until the launcher
-// closes 3, then kills and reaps what it forked and returns the process's exit code. In a child
+// closes 3, then kills and reaps what it forked and ends the process (_exit); returns 1 only
+// when it cannot start serving. In a child
 // it calls `main` with the request's argv and exits with what it returns. `argv` is the server's
 // own: its strings' memory becomes each child's command line (/proc/PID/cmdline), so that `ps`
 // and pgrep show a forked worker like a spawned one.
