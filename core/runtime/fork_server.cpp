@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -31,13 +32,19 @@ namespace twinkle::core {
 
 namespace {
 
+pid_t g_forked_by = 0;  // in a forked child: its server
+
 constexpr int kRequestFd = 3;  // the server's ends of its two sockets
 constexpr int kReportFd = 4;
-constexpr std::size_t kMaxRequest = 256 * 1024;  // argv and environment, packed
-constexpr std::size_t kMaxFds = 64;              // stdout, stderr and what a process inherits
-constexpr std::size_t kTitleRoom = 4095;         // the server's padding argument: room for argv
+// Argv and environment, packed: one message, within a Unix socket's default send buffer (208 KiB).
+constexpr std::size_t kMaxRequest = 192 * 1024;
+constexpr std::size_t kMaxFds = 64;       // stdout, stderr and what a process inherits
+constexpr std::size_t kTitleRoom = 4095;  // the server's padding argument: room for argv
 // How long the launcher waits for the server to answer a request before it is taken for gone.
 constexpr int kReplyTimeoutMs = 10000;
+// The launcher's last message: stop serving, kill what was forked and still runs, and end. A
+// launcher that dies sends none: its socket just ends.
+constexpr char kStop[4] = {'s', 't', 'o', 'p'};
 
 // The request: process group, argv, environment, and the numbers in the child of the descriptors
 // that come with it (after stdout and stderr).
@@ -137,17 +144,38 @@ void set_command_line(const TitleArea& area, const std::vector<std::string>& arg
   std::memset(area.begin + at, 0, area.size - at);
 }
 
+// Closes every descriptor but `kept` (sorted): close_range, or one by one where the kernel has none
+// (before Linux 5.9).
+void close_all_but(const std::vector<int>& kept) {
+  auto close_between = [](unsigned first, unsigned last) {
+    if (first > last || ::close_range(first, last, 0) == 0) return;
+    const rlim_t limit = [] {
+      rlimit r{};
+      return ::getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? r.rlim_cur
+                                                                                : 65536;
+    }();
+    for (rlim_t fd = first; fd <= last && fd < limit; ++fd) ::close(static_cast<int>(fd));
+  };
+  unsigned from = 0;
+  for (int t : kept) {
+    if (static_cast<unsigned>(t) > from) close_between(from, static_cast<unsigned>(t) - 1);
+    from = static_cast<unsigned>(t) + 1;
+  }
+  close_between(from, ~0U);
+}
+
 // In the forked child: becomes the process the request describes and runs `main`.
 [[noreturn]] void become(Request& request, std::vector<Fd>& fds, const TitleArea& title,
-                         WorkerMain main) {
+                         pid_t server, WorkerMain main) {
   auto& [pgid, argv, env, targets] = request;
-  set_command_line(title, argv);  // first: `ps` shows the server's line only for a moment
+  g_forked_by = server;
   if (::setpgid(0, pgid) != 0) ::setpgid(0, 0);  // that group is gone: a new one
-  // What the server ignored or blocked, a worker has by default.
+  // The server blocks what a worker takes by default: a signal sent before this arrives now.
+  ::signal(SIGPIPE, SIG_DFL);
   sigset_t none;
   sigemptyset(&none);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGPIPE, SIGCHLD}) ::signal(s, SIG_DFL);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  set_command_line(title, argv);  // `ps` shows the server's line until here, a moment
 
   // Descriptors: /dev/null, stdout, stderr, then those of the request, each first to a number
   // above every target (so that no dup2 overwrites one a later one copies), then to its target.
@@ -166,21 +194,12 @@ void set_command_line(const TitleArea& area, const std::vector<std::string>& arg
     kept.push_back(target);
   }
   std::sort(kept.begin(), kept.end());
-  unsigned from = 0;
-  for (int t : kept) {
-    if (static_cast<unsigned>(t) > from) ::close_range(from, static_cast<unsigned>(t) - 1, 0);
-    from = static_cast<unsigned>(t) + 1;
-  }
-  ::close_range(from, ~0U, 0);
+  close_all_but(kept);
   for (auto& f : fds) (void)f.release();  // closed above, by number
   (void)null.release();
 
-  // The environment: the request's, with the parent this process checks it still has (the
-  // server, which dies with the launcher).
+  // The environment: the request's.
   auto* strings = new std::vector<std::string>(std::move(env));
-  for (auto& e : *strings) {
-    if (e.rfind("TWINKLE_PARENT_PID=", 0) == 0) e = fmt::format("TWINKLE_PARENT_PID={}", getppid());
-  }
   auto* envp = new std::vector<char*>;
   for (auto& e : *strings) envp->push_back(e.data());
   envp->push_back(nullptr);
@@ -194,6 +213,8 @@ void set_command_line(const TitleArea& area, const std::vector<std::string>& arg
 
 }  // namespace
 
+pid_t forked_by() { return g_forked_by; }
+
 int serve_forks(int argc, char** argv, WorkerMain main) {
   // Die with the launcher, and not at all if it is gone already.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -201,12 +222,15 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
     if (getppid() != static_cast<pid_t>(std::atoll(parent))) return 1;
   }
   // The terminal's signals are the launcher's to handle; it stops the server by closing its
-  // socket.
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGPIPE}) ::signal(s, SIG_IGN);
-  sigset_t chld;
+  // socket. Blocked, not ignored: a child inherits the dispositions (it unblocks, and what was
+  // sent to it meanwhile arrives), and SIGCHLD is read from a signalfd.
+  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t blocked, chld;
+  sigemptyset(&blocked);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGTSTP, SIGCHLD}) sigaddset(&blocked, s);
+  ::sigprocmask(SIG_BLOCK, &blocked, nullptr);
   sigemptyset(&chld);
   sigaddset(&chld, SIGCHLD);
-  ::sigprocmask(SIG_BLOCK, &chld, nullptr);
   Fd exits(::signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK));
   if (!exits) return 1;
 
@@ -240,16 +264,22 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
       while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
         children.erase(pid);
         const Report r{pid, status};
-        if (open) (void)send_with_fds(kReportFd, &r, sizeof r, {});
+        (void)send_with_fds(kReportFd, &r, sizeof r, {});  // fails only once the launcher is gone
       }
     }
     if (!(p[1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
     const ssize_t n = receive_request(kRequestFd, buf, fds);
-    if (n <= 0) {
-      // The launcher closed its end (or it broke): what was forked and still runs goes too.
+    if (n == sizeof kStop && std::memcmp(buf.data(), kStop, sizeof kStop) == 0) {
+      // The launcher stops serving: what was forked and still runs goes too.
       open = false;
       for (pid_t c : children) ::kill(c, SIGKILL);
       continue;
+    }
+    if (n <= 0) {
+      // The launcher died (its end closed without a stop). The server goes at once, as it would
+      // by its parent-death signal a moment later: each worker hears of it and, its driver dead,
+      // removes the run's files on its way out (a SIGKILL from here would leave them behind).
+      ::_exit(0);
     }
     Reply reply;
     Request request;
@@ -262,8 +292,9 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
     if (!reply.error && fds.size() != std::get<3>(request).size() + 2) reply.error = EINVAL;
     if (!reply.error) {
       std::fflush(nullptr);
+      const pid_t self = ::getpid();
       const pid_t pid = ::fork();
-      if (pid == 0) become(request, fds, title, main);
+      if (pid == 0) become(request, fds, title, self, main);
       if (pid < 0) {
         reply.error = errno;
       } else {
@@ -281,7 +312,9 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
       }
     }
     fds.clear();
-    if (send_with_fds(kRequestFd, &reply, sizeof reply, {}) < 0) open = false;
+    // Where this fails, the launcher is gone or gave up waiting: the next read says which (a
+    // stop, or the end), as a reply that never arrives leaves the launcher nothing to know.
+    (void)send_with_fds(kRequestFd, &reply, sizeof reply, {});
   }
   // Nothing of the server needs destroying, and the launcher waits for its end: no exit handlers
   // and no library's destructors (each touching its code pages again).
@@ -360,8 +393,13 @@ std::unique_ptr<ForkServer> ForkServer::start(const std::filesystem::path& exe,
   return s;
 }
 
+void ForkServer::stop_serving() {
+  if (requests_) (void)send_with_fds(requests_.get(), kStop, sizeof kStop, {});
+  requests_.reset();
+}
+
 ForkServer::~ForkServer() {
-  requests_.reset();  // the server kills what it forked and still runs, reaps it, and exits
+  stop_serving();  // the server kills what it forked and still runs, reaps it, and exits
   if (pid_ <= 0) return;
   const Fd exited = open_pidfd(pid_);
   pollfd p{exited.get(), POLLIN, 0};
@@ -375,9 +413,9 @@ bool ForkServer::suits(const std::vector<std::string>& env) const {
   return startup_entries(env) == startup_env_;
 }
 
-ForkServer::Forked ForkServer::fork(pid_t pgid, const std::vector<std::string>& argv,
-                                    const std::vector<std::string>& env, int out, int err,
-                                    const std::vector<std::pair<int, int>>& inherit) {
+std::optional<ForkServer::Forked> ForkServer::fork(
+    pid_t pgid, const std::vector<std::string>& argv, const std::vector<std::string>& env, int out,
+    int err, const std::vector<std::pair<int, int>>& inherit) {
   Request request;
   std::get<0>(request) = pgid;
   std::get<1>(request) = argv;
@@ -389,13 +427,9 @@ ForkServer::Forked ForkServer::fork(pid_t pgid, const std::vector<std::string>& 
   }
   msgpack::sbuffer packed;
   msgpack::pack(packed, request);
-  if (packed.size() > kMaxRequest || fds.size() > kMaxFds)
-    throw Error(
-        fmt::format("the process's argv and environment ({} bytes) exceed the fork "
-                    "server's {} bytes",
-                    packed.size(), kMaxRequest));
-  if (send_with_fds(requests_.get(), packed.data(), packed.size(), fds) < 0)
-    throw Error(fmt::format("the fork server (pid {}) is gone: {}", pid_, std::strerror(errno)));
+  if (packed.size() > kMaxRequest || fds.size() > kMaxFds) return std::nullopt;  // spawn this one
+  if (!requests_ || send_with_fds(requests_.get(), packed.data(), packed.size(), fds) < 0)
+    throw Gone(fmt::format("the fork server (pid {}) is gone: {}", pid_, std::strerror(errno)));
   pollfd p{requests_.get(), POLLIN, 0};
   int ready;
   while ((ready = ::poll(&p, 1, kReplyTimeoutMs)) < 0 && errno == EINTR) {
@@ -406,14 +440,17 @@ ForkServer::Forked ForkServer::fork(pid_t pgid, const std::vector<std::string>& 
     while ((n = ::recv(requests_.get(), &reply, sizeof reply, 0)) < 0 && errno == EINTR) {
     }
   }
+  if (n == 0) throw Gone(fmt::format("the fork server (pid {}) is gone", pid_));
   if (n != static_cast<ssize_t>(sizeof reply)) {
-    requests_.reset();  // a server that does not answer serves no more
-    throw Error(fmt::format("the fork server (pid {}) did not answer", pid_));
+    // It may still fork this process: it must not be spawned beside it, and the server serves
+    // no more (and kills what it forked).
+    stop_serving();
+    throw Error(fmt::format("the workers' fork server (pid {}) did not answer in {} s", pid_,
+                            kReplyTimeoutMs / 1000));
   }
-  if (reply.error)
-    throw Error(fmt::format("the fork server could not fork: {}", std::strerror(reply.error)));
+  if (reply.error) return std::nullopt;  // nothing forked: spawning says why
   ++forks_;
-  return {reply.pid, reply.pgid};
+  return Forked{reply.pid, reply.pgid};
 }
 
 bool ForkServer::read_reports(const std::function<void(pid_t, int)>& on_exit) {

@@ -10,10 +10,12 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "twinkle/errors.hpp"
 #include "twinkle/fd.hpp"
 
 namespace twinkle::core {
@@ -33,6 +35,10 @@ using WorkerMain = int (*)(int argc, char** argv);
 // and pgrep show a forked worker like a spawned one.
 int serve_forks(int argc, char** argv, WorkerMain main);
 
+// In a process forked by a fork server: the server's pid (its parent, whose death it watches);
+// 0 in any other process.
+pid_t forked_by();
+
 // Whether local workers are forked by a fork server: yes unless TWINKLE_FORK_SERVER=0 (then every
 // one is spawned, as before the server existed).
 bool fork_server_enabled();
@@ -46,7 +52,7 @@ class ForkServer {
                                            const std::vector<std::string>& env, std::string& why);
   ForkServer(const ForkServer&) = delete;
   ForkServer& operator=(const ForkServer&) = delete;
-  // Closes the request socket and reaps the server (which kills what it forked and still runs).
+  // Tells the server to stop and reaps it (it kills what it forked and still runs first).
   ~ForkServer();
 
   const std::filesystem::path& exe() const { return exe_; }
@@ -63,23 +69,31 @@ class ForkServer {
     pid_t pid = 0;
     pid_t pgid = 0;  // its process group: `pgid`, or its own pid when that group was gone
   };
+  // The server is gone and forked nothing: spawn this process and the ones after it.
+  struct Gone : Error {
+    using Error::Error;
+  };
   // Forks a process with this argv (argv[0] the server's executable) and environment, stdout and
   // stderr on `out` and `err`, stdin on /dev/null, descriptors `inherit` (here, number there) and
-  // no other, in process group `pgid` (0: a new one). Throws Error when the server is gone or the
-  // fork failed (errno's message).
-  Forked fork(pid_t pgid, const std::vector<std::string>& argv, const std::vector<std::string>& env,
-              int out, int err, const std::vector<std::pair<int, int>>& inherit);
+  // no other, in process group `pgid` (0: a new one). Nullopt when this one is to be spawned
+  // instead (argv and environment too large for one message, or the fork failed: spawning says
+  // why); Gone; Error when the server did not answer (it may have forked it: the launcher must
+  // not spawn it too).
+  std::optional<Forked> fork(pid_t pgid, const std::vector<std::string>& argv,
+                             const std::vector<std::string>& env, int out, int err,
+                             const std::vector<std::pair<int, int>>& inherit);
 
   // The descriptor that becomes readable when an exit report (or the server's end) is there.
   int reports_fd() const { return reports_.get(); }
   // Reads the reports there are now: `on_exit(pid, wait status)` for each. Returns false once the
-  // server is gone (its socket closed): whatever it forked and still runs was killed with it.
+  // server is gone (its socket closed): what it forked ends by itself (its parent-death signal).
   bool read_reports(const std::function<void(pid_t, int)>& on_exit);
   // False once read_reports() found the server gone.
   bool reports_open() const { return reports_open_; }
 
  private:
   ForkServer() = default;
+  void stop_serving();  // tells the server to kill what it forked and end; no fork after it
   std::filesystem::path exe_;
   pid_t pid_ = 0;
   Fd requests_;

@@ -81,7 +81,7 @@ std::string LocalLauncher::restart(const std::vector<std::size_t>& peers,
       // reports under this lock, so none can come in between).
       channel_.forget_lost(p);
     }
-    if (old > 0) ::kill(old, SIGKILL);
+    if (old > 0) spawner_.signal_pid(old, SIGKILL);
   }
   for (std::size_t p : peers) {
     channel_.renew_worker_ends(p);

@@ -53,8 +53,7 @@ struct Spawner::Proc {
   std::deque<std::string> tail;
   Fd log;  // close-on-exec, unlike a std::ofstream's: the processes spawned later must not get it
   bool running = false;
-  const ForkServer* forked =
-      nullptr;  // the fork server that forked it, reaps it and reports its exit
+  std::shared_ptr<ForkServer> server;  // the fork server that forked it, reaps it, reports its exit
 };
 
 namespace {
@@ -185,13 +184,16 @@ bool Spawner::fork_from_server(Proc& proc, ProcessSpec& spec, int out, int err) 
       spec.argv[0] != options_.fork_server->string())
     return false;
   std::string why;
-  if (!server_ && options_.started_server && options_.started_server->exe() == spec.argv[0])
+  std::shared_ptr<ForkServer> replaced;  // destroyed outside the lock: it waits for its server
+  if (!server_ && options_.started_server && options_.started_server->exe() == spec.argv[0]) {
+    std::lock_guard lock(mu_);
     server_ = std::move(options_.started_server);
+  }
   if (!server_ || (server_->forks() == 0 && !server_->suits(spec.env))) {
     // None yet, or one started with another environment and not used: one with this process's.
     auto started = ForkServer::start(*options_.fork_server, spec.env, why);
     std::lock_guard lock(mu_);
-    server_ = std::move(started);
+    replaced = std::exchange(server_, std::move(started));
   }
   if (server_) {
     if (!server_->suits(spec.env)) return false;
@@ -199,14 +201,15 @@ bool Spawner::fork_from_server(Proc& proc, ProcessSpec& spec, int out, int err) 
     for (const auto& [fd, target] : spec.inherit) inherit.emplace_back(fd.get(), target);
     try {
       const auto f = server_->fork(pgid_.load(), spec.argv, spec.env, out, err, inherit);
-      proc.pid = f.pid;
+      if (!f) return false;  // this one is spawned
+      proc.pid = f->pid;
       proc.running = true;
-      proc.forked = server_.get();
-      proc.pidfd = open_pidfd(f.pid);  // for kill_and_reap's wait; the server reports the exit
-      pgid_ = f.pgid;
+      proc.server = server_;
+      proc.pidfd = open_pidfd(f->pid);  // for signals and kill_and_reap; the server reports exits
+      pgid_ = f->pgid;
       spec.inherit.clear();  // the child has its copies
       return true;
-    } catch (const Error& e) {
+    } catch (const ForkServer::Gone& e) {
       why = e.what();
     }
   }
@@ -217,33 +220,27 @@ bool Spawner::fork_from_server(Proc& proc, ProcessSpec& spec, int out, int err) 
   return false;
 }
 
-// Finishes the processes whose exits the fork server reported (or, when it is gone, all that it
-// forked: they died with it); keeps the exits of processes spawn() has not recorded yet.
+// Finishes the processes whose exits the fork server reported; keeps the exits of processes
+// spawn() has not recorded yet. A server found gone is the monitor's loop to handle.
 void Spawner::server_reports(ForkServer& server) {
   std::vector<std::pair<pid_t, int>> exits;
-  const bool open =
-      server.read_reports([&](pid_t pid, int status) { exits.emplace_back(pid, status); });
+  if (!server.read_reports([&](pid_t pid, int status) { exits.emplace_back(pid, status); })) {
+    std::fprintf(stderr,
+                 "twinkle: the workers' fork server (pid %d) died; its workers die with it\n",
+                 server.pid());
+    std::fflush(stderr);
+  }
   std::vector<std::pair<Proc*, int>> done;
   {
     std::lock_guard lock(mu_);
     for (const auto& [pid, status] : exits) {
       auto it = std::find_if(procs_.begin(), procs_.end(), [pid = pid](const auto& p) {
-        return p->forked && p->running && p->pid == pid;
+        return p->server && p->running && p->pid == pid;
       });
       if (it == procs_.end()) {
         early_exits_.emplace_back(pid, status);
       } else {
         done.emplace_back(it->get(), status);
-      }
-    }
-    if (!open) {
-      for (auto& p : procs_) {
-        if (p->forked == &server && p->running &&
-            std::none_of(done.begin(), done.end(),
-                         [&](const auto& d) { return d.first == p.get(); })) {
-          ::kill(p->pid, SIGKILL);
-          done.emplace_back(p.get(), SIGKILL);  // a wait status: killed by SIGKILL
-        }
       }
     }
   }
@@ -332,11 +329,11 @@ void Spawner::monitor() {
             owners.emplace_back(p.get(), s);
           }
         }
-        if (p->running && !p->forked && p->pidfd) {
+        if (p->running && !p->server && p->pidfd) {
           fds.push_back({p->pidfd.get(), POLLIN, 0});
           owners.emplace_back(p.get(), 2);
         }
-        unwatched |= p->running && !p->forked && !p->pidfd;
+        unwatched |= p->running && !p->server && !p->pidfd;
       }
       server = server_;
       if (server && server->reports_open()) {
@@ -344,13 +341,14 @@ void Spawner::monitor() {
         owners.emplace_back(nullptr, 3);
       }
     }
-    // Exits the fork server reported before spawn() had recorded the process.
+    // Exits the fork server reported before spawn() had recorded the process; then the
+    // processes of a server that is gone (they die with it: killed here, reported killed).
     std::vector<std::pair<Proc*, int>> early;
     {
       std::lock_guard lock(mu_);
       for (auto it = early_exits_.begin(); it != early_exits_.end();) {
         auto p = std::find_if(procs_.begin(), procs_.end(), [&](const auto& q) {
-          return q->forked && q->running && q->pid == it->first;
+          return q->server && q->running && q->pid == it->first;
         });
         if (p == procs_.end()) {
           ++it;
@@ -358,6 +356,14 @@ void Spawner::monitor() {
         }
         early.emplace_back(p->get(), it->second);
         it = early_exits_.erase(it);
+      }
+      for (auto& p : procs_) {
+        if (!p->running || !p->server || p->server->reports_open()) continue;
+        if (std::any_of(early.begin(), early.end(),
+                        [&](const auto& e) { return e.first == p.get(); }))
+          continue;
+        send_signal(p->pidfd, p->pid, SIGKILL);
+        early.emplace_back(p.get(), SIGKILL);  // a wait status: killed by SIGKILL
       }
     }
     for (auto [p, status] : early) finish(*p, status);
@@ -389,7 +395,7 @@ void Spawner::monitor() {
       {
         std::lock_guard lock(mu_);
         for (auto& p : procs_) {
-          if (p->running && !p->forked && !p->pidfd) todo.push_back(p.get());
+          if (p->running && !p->server && !p->pidfd) todo.push_back(p.get());
         }
       }
       for (Proc* p : todo) {
@@ -416,8 +422,8 @@ std::size_t Spawner::running() const {
 
 std::size_t Spawner::forked() const {
   std::lock_guard lock(mu_);
-  return static_cast<std::size_t>(
-      std::count_if(procs_.begin(), procs_.end(), [](const auto& p) { return p->forked; }));
+  return static_cast<std::size_t>(std::count_if(
+      procs_.begin(), procs_.end(), [](const auto& p) { return p->server != nullptr; }));
 }
 
 std::vector<pid_t> Spawner::pids() const {
@@ -435,9 +441,17 @@ int Spawner::signal(const std::string& name, int sig) const {
   std::lock_guard lock(mu_);
   int n = 0;
   for (const auto& p : procs_) {
-    if (p->running && p->name == name && ::kill(p->pid, sig) == 0) ++n;
+    if (p->running && p->name == name && send_signal(p->pidfd, p->pid, sig) == 0) ++n;
   }
   return n;
+}
+
+bool Spawner::signal_pid(pid_t pid, int sig) const {
+  std::lock_guard lock(mu_);
+  for (const auto& p : procs_) {
+    if (p->running && p->pid == pid) return send_signal(p->pidfd, p->pid, sig) == 0;
+  }
+  return false;
 }
 
 void Spawner::kill_and_reap() noexcept {
@@ -448,7 +462,7 @@ void Spawner::kill_and_reap() noexcept {
     std::lock_guard lock(mu_);
     for (const auto& p : procs_) {
       if (!p->running) continue;
-      if (!p->forked) {
+      if (!p->server) {
         running.push_back(p->pid);
       } else if (p->pidfd) {
         forked.push_back({p->pidfd.get(), POLLIN, 0});

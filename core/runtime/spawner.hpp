@@ -106,6 +106,9 @@ class Spawner {
   void kill_and_reap() noexcept;
   // `sig` to the running processes named `name` (not to what they started). Returns how many.
   int signal(const std::string& name, int sig) const;
+  // `sig` to process `pid` if it is one of these and still running (through its pidfd: a pid the
+  // fork server reaped may already be another process's). Returns whether it was sent.
+  bool signal_pid(pid_t pid, int sig) const;
 
   std::size_t running() const;
   std::vector<pid_t> pids() const;

@@ -1,6 +1,7 @@
 #include "core/runtime/worker.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include "core/runtime/call_table.hpp"
 #include "core/runtime/checkpoint.hpp"
 #include "core/runtime/communicators.hpp"
+#include "core/runtime/fork_server.hpp"
 #include "core/runtime/group_calls.hpp"
 #include "core/runtime/host_abi.hpp"
 #include "core/runtime/inbox.hpp"
@@ -50,11 +52,25 @@ char g_run_dir[kPathMax];
 // worker to notice the driver's death kills the rest before they could remove their own.
 const char* const* g_peer_sockets = nullptr;
 std::size_t g_peer_socket_count = 0;
+// A forked worker's parent is its fork server: the driver's pidfd tells which of the two died.
+int g_driver_pidfd = -1;
 
 extern "C" void on_driver_death(int) {
   // Only async-signal-safe calls. The worker asks for SIGHUP when its parent dies, and the
   // launcher stops workers with SIGTERM/SIGKILL, so SIGHUP here means the driver died (even
-  // SIGKILLed) and left its run folder behind: the workers remove it on their way out.
+  // SIGKILLed) and left its run folder behind: the workers remove it on their way out. Unless
+  // only the fork server died: the run is still the driver's, which hears of this worker's end.
+  // A driver being killed takes a moment to end all its threads (the server's parent thread may go
+  // first): give it that before taking it for alive. Where only the server died, its launcher
+  // kills the worker at once anyway.
+  if (g_driver_pidfd >= 0) {
+    pollfd p{g_driver_pidfd, POLLIN, 0};
+    if (poll(&p, 1, 2000) == 0) {
+      static const char kLine[] = "twinkle-worker: its fork server died; the worker ends\n";
+      (void)!write(2, kLine, sizeof kLine - 1);
+      _exit(128 + SIGHUP);
+    }
+  }
   for (const char* f : g_run_files) {
     if (f[0]) unlink(f);
   }
@@ -398,12 +414,14 @@ bool run_worker(const WorkerOptions& o) {
   // A write to a connection or pipe whose other end is gone is an error where it happens, never
   // the worker's death (a survivor was once killed by SIGPIPE as a replica died beside it).
   ::signal(SIGPIPE, SIG_IGN);
-  // Die with the driver. The launcher starts workers with posix_spawn, which cannot ask for the
-  // parent-death signal, so the worker asks itself and then checks that the driver did not die
-  // before it asked.
+  // Die with the driver. A worker started with posix_spawn cannot be given the parent-death
+  // signal, so the worker asks itself and then checks that its parent did not die before it
+  // asked; a worker forked by the fork server watches the server (which dies with the driver).
   if (const char* parent = std::getenv("TWINKLE_PARENT_PID")) {
+    const auto driver = static_cast<pid_t>(std::atoll(parent));
+    if (forked_by() > 0) g_driver_pidfd = open_pidfd(driver).release();
     prctl(PR_SET_PDEATHSIG, SIGHUP);
-    if (getppid() != static_cast<pid_t>(std::atoll(parent))) on_driver_death(SIGHUP);
+    if (getppid() != (forked_by() > 0 ? forked_by() : driver)) on_driver_death(SIGHUP);
   }
 
   plugins::Plugin plugin = plugins::Plugin::load(o.plugin);

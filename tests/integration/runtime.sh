@@ -491,6 +491,16 @@ TOML
     workers_gone_within 1000
     alive "$server" && fail "the fork server $server outlived its run"
     expect_clean
+    # A fork server that dies takes its workers along: the driver reports it and fails the run,
+    # and still removes what the run left.
+    start_hanging
+    server=$(ppid "$(echo $WORKER_PIDS | cut -d" " -f1)")
+    kill -KILL "$server"
+    wait_driver
+    [ "$DRIVER_RC" -eq 1 ] || { cat "$TMP/err"; fail "twinkle exited $DRIVER_RC after its fork server died, expected 1"; }
+    grep -q "the workers' fork server (pid $server) died" "$TMP/err" || { cat "$TMP/err"; fail "the fork server's death was not reported"; }
+    workers_gone_within 1000
+    expect_clean
     export TWINKLE_FORK_SERVER=0
     start_hanging
     for pid in $WORKER_PIDS; do

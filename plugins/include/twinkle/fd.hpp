@@ -4,6 +4,7 @@
 // not need it.
 #pragma once
 
+#include <signal.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -56,6 +57,16 @@ inline Fd open_pidfd(pid_t pid) noexcept {
   errno = ENOSYS;
   return Fd();
 #endif
+}
+
+// `sig` to the process of `pidfd` (which names it even once its pid is reused), or to `pid` where
+// there is no pidfd. 0, or -1 with errno, like kill().
+inline int send_signal(const Fd& pidfd, pid_t pid, int sig) noexcept {
+#ifdef SYS_pidfd_send_signal
+  if (pidfd)
+    return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd.get(), sig, nullptr, 0));
+#endif
+  return ::kill(pid, sig);
 }
 
 }  // namespace twinkle
