@@ -210,7 +210,7 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
   const bool forever = timeout.count() < 0;
   const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
   auto next_tick = Clock::now() + tick_interval_;
-  std::vector<zmq::pollitem_t> items;
+  std::vector<pollfd> fds;
   for (;;) {
     if (tick_ && Clock::now() >= next_tick) {
       tick_();
@@ -242,16 +242,33 @@ std::optional<ChannelEvent> PeerChannel::next(std::chrono::milliseconds timeout)
           1;
       left = left < 0 ? to_tick : std::min(left, to_tick);
     }
-    items.clear();
-    for (std::size_t peer : open_) items.push_back({sockets_[peer]->handle(), 0, ZMQ_POLLIN, 0});
-    for (auto& [w, _] : watched_) items.push_back({w.socket.handle(), w.fd, ZMQ_POLLIN, 0});
-    items.push_back({nullptr, events_.fd(), ZMQ_POLLIN, 0});
-    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(left));
-    if (items.back().revents & ZMQ_POLLIN) return events_.signalled();
-    // The watched sockets' handlers run here; they may queue events (a lost worker) or answer
-    // requests themselves.
+    // Not zmq::poll, which asks every socket for its events before and after it waits (two
+    // system calls each, each time) and polls once more without waiting first. A connection's
+    // receive just found nothing, so its descriptor signals what comes next (ARCHITECTURE.md,
+    // Sockets). A watched socket may hold input its descriptor no longer signals (an operation on
+    // it processed its commands): it is asked first. The watched sockets' handlers may queue
+    // events (a lost worker) or answer requests themselves.
+    bool ran = false;
+    for (auto& [w, on_ready] : watched_) {
+      if (w.socket && (w.socket.get(zmq::sockopt::events) & ZMQ_POLLIN)) {
+        on_ready();
+        ran = true;
+      }
+    }
+    if (ran) continue;
+    fds.clear();
+    for (std::size_t peer : open_)
+      fds.push_back({sockets_[peer]->get(zmq::sockopt::fd), POLLIN, 0});
+    for (auto& [w, _] : watched_)
+      fds.push_back({w.socket ? w.socket.get(zmq::sockopt::fd) : w.fd, POLLIN, 0});
+    fds.push_back({events_.fd(), POLLIN, 0});
+    int rc;
+    while ((rc = ::poll(fds.data(), fds.size(), static_cast<int>(left))) < 0 && errno == EINTR) {
+    }
+    if (rc <= 0) continue;
+    if (fds.back().revents) return events_.signalled();
     for (std::size_t i = 0; i < watched_.size(); ++i) {
-      if (items[open_.size() + i].revents & ZMQ_POLLIN) watched_[i].second();
+      if (fds[open_.size() + i].revents) watched_[i].second();
     }
   }
 }
