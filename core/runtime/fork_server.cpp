@@ -221,9 +221,9 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
   if (const char* parent = std::getenv("TWINKLE_PARENT_PID")) {
     if (getppid() != static_cast<pid_t>(std::atoll(parent))) return 1;
   }
-  // The terminal's signals are the launcher's to handle; it stops the server by closing its
-  // socket. Blocked, not ignored: a child inherits the dispositions (it unblocks, and what was
-  // sent to it meanwhile arrives), and SIGCHLD is read from a signalfd.
+  // The terminal's signals are the launcher's to handle; it stops the server with `stop`. Blocked,
+  // not ignored: a child inherits the dispositions (it unblocks, and what was sent to it meanwhile
+  // arrives), and SIGCHLD is read from a signalfd.
   ::signal(SIGPIPE, SIG_IGN);
   sigset_t blocked, chld;
   sigemptyset(&blocked);

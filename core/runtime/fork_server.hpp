@@ -28,9 +28,10 @@ inline constexpr const char* kForkServerFlag = "--fork-server";
 using WorkerMain = int (*)(int argc, char** argv);
 
 // Serves forks on descriptors 3 (requests and replies) and 4 (exit reports) until the launcher
-// closes 3, then kills and reaps what it forked and ends the process (_exit); returns 1 only
-// when it cannot start serving. In a child
-// it calls `main` with the request's argv and exits with what it returns. `argv` is the server's
+// sends `stop` on 3, then kills and reaps what it forked and ends the process (_exit); where 3
+// ends without `stop` (the launcher died) it ends at once and kills nothing (each worker, seeing
+// its driver dead, cleans up). Returns 1 only when it cannot start serving. In a child it calls
+// `main` with the request's argv and exits with what it returns. `argv` is the server's
 // own: its strings' memory becomes each child's command line (/proc/PID/cmdline), so that `ps`
 // and pgrep show a forked worker like a spawned one.
 int serve_forks(int argc, char** argv, WorkerMain main);
