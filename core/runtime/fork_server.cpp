@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 #include <msgpack.hpp>
 
+#include "transports/fd.hpp"
 #include "twinkle/errors.hpp"
 
 extern char** environ;
@@ -72,55 +73,6 @@ std::vector<std::string> startup_entries(const std::vector<std::string>& env) {
   }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-ssize_t send_with_fds(int sock, const void* data, std::size_t size, const std::vector<int>& fds) {
-  iovec iov{const_cast<void*>(data), size};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-  if (!fds.empty()) {
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  }
-  ssize_t n;
-  while ((n = ::sendmsg(sock, &msg, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
-  }
-  return n;
-}
-
-// Receives one request: its bytes (size returned; 0 at the end of the stream, -1 on an error or
-// a request cut short) and its descriptors, owned.
-ssize_t receive_request(int sock, std::vector<char>& buf, std::vector<Fd>& fds) {
-  fds.clear();
-  iovec iov{buf.data(), buf.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  ssize_t n;
-  while ((n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {
-  }
-  if (n < 0) return -1;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      fds.emplace_back(fd);
-    }
-  }
-  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return -1;
-  return n;
 }
 
 // The server's command line memory, [begin, end): argv's strings lie there one after another.
@@ -264,11 +216,12 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
       while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
         children.erase(pid);
         const Report r{pid, status};
-        (void)send_with_fds(kReportFd, &r, sizeof r, {});  // fails only once the launcher is gone
+        (void)transport::send_with_fds(kReportFd, &r, sizeof r,
+                                       {});  // fails only once the launcher is gone
       }
     }
     if (!(p[1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-    const ssize_t n = receive_request(kRequestFd, buf, fds);
+    const ssize_t n = transport::receive_with_fds(kRequestFd, buf, fds, kMaxFds);
     if (n == sizeof kStop && std::memcmp(buf.data(), kStop, sizeof kStop) == 0) {
       // The launcher stops serving: what was forked and still runs goes too.
       open = false;
@@ -314,7 +267,7 @@ int serve_forks(int argc, char** argv, WorkerMain main) {
     fds.clear();
     // Where this fails, the launcher is gone or gave up waiting: the next read says which (a
     // stop, or the end), as a reply that never arrives leaves the launcher nothing to know.
-    (void)send_with_fds(kRequestFd, &reply, sizeof reply, {});
+    (void)transport::send_with_fds(kRequestFd, &reply, sizeof reply, {});
   }
   // Nothing of the server needs destroying, and the launcher waits for its end: no exit handlers
   // and no library's destructors (each touching its code pages again).
@@ -394,7 +347,7 @@ std::unique_ptr<ForkServer> ForkServer::start(const std::filesystem::path& exe,
 }
 
 void ForkServer::stop_serving() {
-  if (requests_) (void)send_with_fds(requests_.get(), kStop, sizeof kStop, {});
+  if (requests_) (void)transport::send_with_fds(requests_.get(), kStop, sizeof kStop, {});
   requests_.reset();
 }
 
@@ -428,7 +381,8 @@ std::optional<ForkServer::Forked> ForkServer::fork(
   msgpack::sbuffer packed;
   msgpack::pack(packed, request);
   if (packed.size() > kMaxRequest || fds.size() > kMaxFds) return std::nullopt;  // spawn this one
-  if (!requests_ || send_with_fds(requests_.get(), packed.data(), packed.size(), fds) < 0)
+  if (!requests_ ||
+      transport::send_with_fds(requests_.get(), packed.data(), packed.size(), fds) < 0)
     throw Gone(fmt::format("the fork server (pid {}) is gone: {}", pid_, std::strerror(errno)));
   pollfd p{requests_.get(), POLLIN, 0};
   int ready;

@@ -25,11 +25,12 @@ void Inbox::wait() {
   if (!serve_quiet_) read_serve();
   serve_quiet_ = false;
   if (queue_.empty()) {
-    const transport::Woke woke = transport::wait_readable({link_.waitable(), serve_.socket()}, -1,
+    const transport::Woke woke = transport::wait_readable({link_.waitable(), serve_.waitable()}, -1,
                                                           std::chrono::milliseconds(-1));
     // The serve socket was read empty and did not wake, and nothing runs before the next wait:
     // it has nothing (a ZeroMQ socket's descriptor wakes for every message to an empty socket
-    // that nothing used since), so the next wait does not read it (two system calls a call).
+    // that nothing used since; a local serve socket's epoll descriptor is readable while any
+    // caller has input), so the next wait does not read it (a system call or two a call).
     serve_quiet_ = (woke.sockets & 2u) == 0;
   }
 }

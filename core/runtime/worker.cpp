@@ -45,8 +45,8 @@ namespace proto = transport::proto;
 
 // For the parent-death handler: what to remove when the driver died without cleaning up.
 constexpr std::size_t kPathMax = 4096;
-// the rendezvous socket, this worker's serve socket and its descriptor socket
-char g_run_files[3][kPathMax];
+// the rendezvous socket and this worker's serve socket
+char g_run_files[2][kPathMax];
 char g_run_dir[kPathMax];
 // The other local workers' serve sockets (set once at the welcome, never freed): the first
 // worker to notice the driver's death kills the rest before they could remove their own.
@@ -268,8 +268,7 @@ class Worker : public HostOps {
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
     std::snprintf(g_run_files[1], sizeof g_run_files[1], "%s", path.c_str());
-    std::snprintf(g_run_files[2], sizeof g_run_files[2], "%s.fd", path.c_str());
-    return "ipc://" + path;
+    return "unix://" + path;
   }
 
   // The welcome's workers and groups: this worker's calls to other groups, what it is asked to
@@ -280,7 +279,7 @@ class Worker : public HostOps {
     remember_peer_sockets(endpoints);
     group_calls_ = std::make_unique<GroupCalls>(
         zmq_, name_, welcome, plugin_, security_, timeout_,
-        GroupCalls::Watched{link_->waitable(), [this] { inbox_->read_link(); }, serve_->socket(),
+        GroupCalls::Watched{link_->waitable(), [this] { inbox_->read_link(); }, serve_->waitable(),
                             [this] { inbox_->read_serve(); }});
     inbox_ = std::make_unique<Inbox>(*link_, *serve_, *group_calls_, *comms_,
                                      [this](const Message& m) { return request_what(m); });
@@ -291,12 +290,11 @@ class Worker : public HostOps {
   // For the parent-death handler: the local workers' socket files in this run's folder.
   void remember_peer_sockets(const std::vector<std::string>& endpoints) {
     if (options_.run_dir.empty() || g_peer_sockets) return;
-    const std::string prefix = "ipc://" + options_.run_dir.string() + "/";
+    const std::string prefix = options_.run_dir.string() + "/";
     auto* paths = new std::vector<std::string>;  // lives as long as the process
     for (const auto& e : endpoints) {
-      if (!e.starts_with(prefix)) continue;
-      paths->push_back(e.substr(6));
-      paths->push_back(transport::shm_listener_path(e));
+      if (std::string path = transport::local_serve_path(e); path.starts_with(prefix))
+        paths->push_back(std::move(path));
     }
     auto* list = new const char*[paths->size() + 1];
     for (std::size_t i = 0; i < paths->size(); ++i) list[i] = (*paths)[i].c_str();

@@ -2,6 +2,8 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/kv.hpp"
 #include "transports/zmq/message.hpp"
+#include "transports/zmq/peers.hpp"
 #include "transports/zmq/stream.hpp"
 #include "twinkle/errors.hpp"
 
@@ -592,6 +595,198 @@ TEST_CASE("driver channel: a worker's link says so when the driver's end is gone
   CHECK_FALSE(link->recv(0ms));
   link->send(Message{0, proto::Shutdown{}});  // no one to send to: dropped, no error
   CHECK(lost == 1);
+}
+
+namespace {
+
+// A local serve socket in `dir` and a PeerChannel of worker "a:0" whose peer 1 ("b:0") it is.
+struct PeerPair {
+  explicit PeerPair(const fs::path& dir, const std::string& caller = "a:0")
+      : serve(context, "unix://" + (dir / "w1").string(), {}),
+        peers(context, caller, {"a:0", "b:0"}, {"", serve.endpoint()}, {}) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+  zmq::context_t context;
+  ServeSocket serve;
+  PeerChannel peers;
+};
+
+Message peer_call(std::uint64_t id, const Value& args = Value::list()) {
+  return Message{id, proto::Call{1, "m", "x.cpp:1", encode(args), {}}};
+}
+
+// The next message event of `peers` within `timeout`, skipping none.
+std::optional<ChannelEvent> next_message(PeerChannel& peers, std::chrono::milliseconds timeout) {
+  auto e = peers.next(timeout);
+  if (e && e->kind != ChannelEvent::Kind::message) return std::nullopt;
+  return e;
+}
+
+// A raw connection to the serve socket at `path` that sends `bytes` (no descriptors) unless
+// `bytes` is empty; kept open while it lives.
+Fd raw_peer(const fs::path& path, const std::string& bytes) {
+  Fd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
+  REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  if (!bytes.empty()) REQUIRE(::send(fd.get(), bytes.data(), bytes.size(), 0) > 0);
+  return fd;
+}
+
+}  // namespace
+
+TEST_CASE("calls between workers: a call and its reply, inline and in shared memory", "[zmq]") {
+  TempDir dir;
+  PeerPair p(dir.path);
+  Tensor small(DType::f32, {1000});
+  Tensor big(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});
+  small.mutable_span<float>()[999] = 7;
+  big.mutable_span<float>()[12345] = 9;
+  p.peers.send(1, peer_call(5, Value::list({Value(small), Value(big)})));
+  auto r = p.serve.recv(5s);
+  REQUIRE(r);
+  CHECK(r->from == "a:0");
+  REQUIRE(r->message.get<proto::Call>());
+  CHECK(r->message.id == 5);
+  const Value args = decode(r->message.get<proto::Call>()->args);
+  CHECK(args[0].tensor().span<float>()[999] == 7);
+  CHECK(args[0].tensor().shm_fd() < 0);
+  CHECK(args[1].tensor().span<float>()[12345] == 9);
+  CHECK(args[1].tensor().shm_fd() >= 0);
+  CHECK(p.serve.callers() == 1);
+
+  Tensor result = p.serve.pool()->tensor(DType::f32, {static_cast<std::int64_t>(kShmThreshold)});
+  result.mutable_span<float>()[3] = 11;
+  p.serve.reply("a:0", Message{5, proto::Reply{std::nullopt, encode(Value(result))}});
+  auto e = next_message(p.peers, 5s);
+  REQUIRE(e);
+  CHECK(e->peer == 1);
+  CHECK(e->message.id == 5);
+  const auto* reply = e->message.get<proto::Reply>();
+  REQUIRE(reply);
+  const Value v = decode(reply->value);
+  CHECK(v.tensor().span<float>()[3] == 11);
+  CHECK(v.tensor().shm_fd() >= 0);
+  CHECK(p.serve.dropped() == 0);
+  CHECK(p.peers.dropped() == 0);
+}
+
+TEST_CASE(
+    "calls between workers: more than the pipes hold, both ways, without blocking either side",
+    "[zmq]") {
+  // As between the driver and a worker: the caller sends without reading while the served
+  // worker answers each; neither blocks (what a pipe does not take waits for the flushers), and
+  // all arrive in order.
+  TempDir dir;
+  PeerPair p(dir.path);
+  const std::string pad(60000, 'p');
+  constexpr int kCalls = 200;  // 12 MB each way: far more than a 64 KiB pipe
+  for (int i = 0; i < kCalls; ++i)
+    p.peers.send(1, peer_call(static_cast<std::uint64_t>(i + 1), Value::list({Value(pad)})));
+  std::thread worker([&] {
+    for (int i = 0; i < kCalls; ++i) {
+      auto r = p.serve.recv(10s);
+      if (!r || r->message.id != static_cast<std::uint64_t>(i + 1)) return;
+      p.serve.reply(r->from,
+                    Message{r->message.id, proto::Reply{std::nullopt, encode(Value(pad))}});
+    }
+  });
+  int got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (got < kCalls && std::chrono::steady_clock::now() < deadline) {
+    auto e = next_message(p.peers, 100ms);
+    if (!e) continue;
+    if (e->message.id != static_cast<std::uint64_t>(got + 1)) break;
+    ++got;
+  }
+  worker.join();
+  CHECK(got == kCalls);
+}
+
+TEST_CASE("calls between workers: what is not a worker's greeting is dropped, callers still served",
+          "[zmq]") {
+  TempDir dir;
+  PeerPair p(dir.path);
+  const fs::path path = dir.path / "w1";
+  Fd junk = raw_peer(path, "hello");    // not a greeting
+  Fd bare = raw_peer(path, "TWKGa:0");  // a greeting without its descriptors
+  Fd silent = raw_peer(path, "");       // connects and says nothing
+  { Fd gone = raw_peer(path, ""); }     // connects and closes
+  CHECK_FALSE(p.serve.recv(200ms));
+  CHECK(p.serve.dropped() == 2);
+  CHECK(p.serve.callers() == 0);
+  p.peers.send(1, peer_call(1));
+  auto r = p.serve.recv(5s);
+  REQUIRE(r);
+  CHECK(r->from == "a:0");
+  CHECK(p.serve.callers() == 1);
+}
+
+TEST_CASE("calls between workers: a caller that greets under a known name takes its replies",
+          "[zmq]") {
+  // A worker replaced after a restart calls under its predecessor's name.
+  TempDir dir;
+  PeerPair p(dir.path);
+  p.peers.send(1, peer_call(1));
+  REQUIRE(p.serve.recv(5s));
+  PeerChannel successor(p.context, "a:0", {"a:0", "b:0"}, {"", p.serve.endpoint()}, {});
+  successor.send(1, peer_call(2));
+  auto r = p.serve.recv(5s);
+  REQUIRE(r);
+  CHECK(r->message.id == 2);
+  CHECK(p.serve.callers() == 1);
+  p.serve.reply("a:0", Message{2, proto::Reply{std::nullopt, encode(Value(3))}});
+  auto e = next_message(successor, 5s);
+  REQUIRE(e);
+  CHECK(e->message.id == 2);
+  CHECK_FALSE(next_message(p.peers, 100ms));  // the predecessor's connection was closed
+}
+
+TEST_CASE("calls between workers: a worker that is gone is not the caller's error", "[zmq]") {
+  // Its loss (or replacement) comes from the driver; what it is sent meanwhile goes nowhere.
+  TempDir dir;
+  zmq::context_t context;
+  ::signal(SIGPIPE, SIG_IGN);
+  auto serve = std::make_unique<ServeSocket>(context, "unix://" + (dir.path / "w1").string(),
+                                             SocketSecurity{});
+  PeerChannel peers(context, "a:0", {"a:0", "b:0"}, {"", serve->endpoint()}, {});
+  peers.send(1, peer_call(1));
+  REQUIRE(serve->recv(5s));
+  serve.reset();  // the worker ends: its socket file goes, its pipes close
+  CHECK_FALSE(fs::exists(dir.path / "w1"));
+  CHECK_FALSE(peers.next(200ms));  // the closed connection is dropped, not waited on forever
+  CHECK_NOTHROW(peers.send(1, peer_call(2)));
+  CHECK_FALSE(peers.next(50ms));
+  CHECK(peers.dropped() == 0);
+}
+
+TEST_CASE("calls between workers: a caller that ends is closed on the serving side", "[zmq]") {
+  TempDir dir;
+  zmq::context_t context;
+  ServeSocket serve(context, "unix://" + (dir.path / "w1").string(), {});
+  {
+    PeerChannel peers(context, "a:0", {"a:0", "b:0"}, {"", serve.endpoint()}, {});
+    peers.send(1, peer_call(1));
+    REQUIRE(serve.recv(5s));
+    CHECK(serve.callers() == 1);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (serve.callers() != 0 && std::chrono::steady_clock::now() < deadline) serve.recv(100ms);
+  CHECK(serve.callers() == 0);
+  CHECK(serve.dropped() == 0);
+}
+
+TEST_CASE("calls between workers: a serve socket path too long for a Unix socket", "[zmq]") {
+  TempDir dir;
+  zmq::context_t context;
+  const std::string path = (dir.path / std::string(120, 'd')).string();
+  try {
+    ServeSocket serve(context, "unix://" + path, {});
+    FAIL("a serve socket path of " << path.size() << " bytes was bound");
+  } catch (const TransportError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("longer than a Unix socket's 107 bytes"));
+  }
 }
 
 TEST_CASE("frame stream: a stream whose framing breaks is closed and says why", "[zmq]") {

@@ -1,10 +1,14 @@
 #pragma once
 
+#include <poll.h>
+
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +19,7 @@
 #include "transports/zmq/auth.hpp"
 #include "transports/zmq/channel.hpp"
 #include "transports/zmq/message.hpp"
+#include "transports/zmq/stream.hpp"
 #include "twinkle/fd.hpp"
 
 // Calls between groups (docs/ARCHITECTURE.md, Calls between groups): worker-to-worker traffic.
@@ -23,11 +28,19 @@
 // only hands out the addresses.
 namespace twinkle::transport {
 
-// A worker's ROUTER for calls from other workers: ipc in local mode, TCP (CURVE with the run's
-// worker keys when the cluster uses keys) in remote mode. Beside an ipc endpoint PATH it listens on
-// PATH.fd (a Unix SEQPACKET socket): a local caller connects there first and says its name, and
-// from then on tensors of kShmThreshold bytes or more travel between the two as shared memory
-// (their descriptors over that connection), as between the driver and its local workers.
+// How a worker serves calls from the other workers.
+//
+// Local mode ("unix://PATH"): PATH is a Unix SEQPACKET socket where a caller, once, hands over its
+// connection: its name and three descriptors in one message (a "greeting"), the read end of a pipe
+// it writes its calls to, the write end of a pipe it reads the replies from, and its end of a
+// descriptor channel (ShmChannel). From then on calls and replies are FrameStreams over the two
+// pipes, read and written by the two workers' own threads: no ZeroMQ I/O thread, no socket
+// between them (as between the driver and its local workers). Tensors of kShmThreshold bytes or
+// more travel as shared memory. What the worker polls is one epoll descriptor over the socket and
+// every caller's pipe.
+//
+// Remote mode ("tcp://HOST:*"): a ZeroMQ ROUTER, CURVE with the run's worker keys when the cluster
+// uses keys, heartbeats; tensors as frames.
 class ServeSocket {
  public:
   struct Request {
@@ -35,45 +48,73 @@ class ServeSocket {
     Message message;
   };
 
-  // Binds `endpoint` ("ipc://PATH" or "tcp://HOST:*"); `security.keys` make it a CURVE server.
-  // Throws TransportError naming the endpoint.
+  // Binds `endpoint` ("unix://PATH" or "tcp://HOST:*"); `security.keys` make a TCP one a CURVE
+  // server. Throws TransportError naming the endpoint.
   ServeSocket(zmq::context_t& context, const std::string& endpoint, const SocketSecurity& security);
   ~ServeSocket();
   ServeSocket(const ServeSocket&) = delete;
   ServeSocket& operator=(const ServeSocket&) = delete;
   // Where the others connect (the port a tcp://HOST:* bind got).
   const std::string& endpoint() const { return endpoint_; }
-  zmq::socket_ref socket() { return socket_; }
+  // What to poll beside others: it may have a request when it polls readable.
+  Waitable waitable();
   // The next request, waiting at most `timeout`; nullopt when none came. A message that does not
-  // decode is dropped (DropLog; nothing else of the run is affected).
+  // decode, and a greeting that is not one, is dropped (DropLog; nothing else of the run is
+  // affected).
   std::optional<Request> recv(std::chrono::milliseconds timeout);
+  // Never blocks: what a full pipe does not take is written by this socket's flusher thread.
+  // A caller that is gone gets nothing.
   void reply(const std::string& to, const Message& m);
   // A request that decoded but that the worker does not take: dropped, into this socket's
   // DropLog.
   void drop(const std::string& why) { drops_.drop(why); }
+  std::uint64_t dropped() const { return drops_.count(); }
   // Where large results for callers go (segments come back when the callers let go of them).
   ShmPool* pool() { return &pool_; }
 
- private:
-  // Takes the callers that connected to the descriptor socket (each says its name first).
-  void accept_pending();
-  ShmChannel* shm_of(const std::string& caller);
+  // Callers connected in local mode (for tests).
+  std::size_t callers() const { return callers_.size(); }
+  // The most callers that may be waiting to greet at once; more are refused (closed).
+  static constexpr std::size_t kMaxGreeting = 64;
 
-  zmq::socket_t socket_;
+ private:
+  struct Caller;
+  // What one wait on the epoll descriptor found: callers greeted, requests read into ready_.
+  void poll_local(std::chrono::milliseconds timeout);
+  void accept_greetings();
+  void greet(std::uint64_t key);
+  void read_caller(std::uint64_t key);
+  void close_caller(std::uint64_t key);
+  std::vector<int> flush_waiting();  // the flusher's: each caller's waiting replies written
+
+  std::unique_ptr<zmq::socket_t> router_;  // remote mode
   std::string endpoint_;
-  std::string listener_path_;  // PATH.fd; empty for TCP
+  // Local mode.
+  std::string path_;
   Fd listener_;
-  ShmPool pool_;                                            // before the channels that use it
-  std::map<std::string, std::unique_ptr<ShmChannel>> shm_;  // by caller name
+  Fd epoll_;
+  std::uint64_t next_key_ = 0;
+  std::map<std::uint64_t, Fd> greeting_;  // accepted, greeting not read yet
+  ShmPool pool_;                          // before the callers, whose channels point to it
+  // Changed on the worker's thread only, under callers_mu_, which the flusher holds while it
+  // writes (the worker's thread reads them without).
+  std::map<std::uint64_t, std::unique_ptr<Caller>> callers_;
+  std::map<std::string, std::uint64_t, std::less<>> by_name_;
+  std::mutex callers_mu_;
+  std::deque<Request> ready_;  // read and decoded, not taken yet
   DropLog drops_{"the socket for calls from other workers"};
+  std::unique_ptr<Flusher> flusher_;  // last: stopped first, while the callers are there
 };
 
-// Where a worker serving at ipc://PATH takes descriptor connections: PATH.fd ("" for TCP).
-std::string shm_listener_path(const std::string& serve_endpoint);
+// The path of a local serve endpoint ("unix://PATH"); "" for any other.
+std::string local_serve_path(const std::string& serve_endpoint);
 
 // A worker's connections to the serve sockets of the other workers, as a CallChannel: the call
 // table a worker uses for its calls between groups runs over it unchanged. Peers are the run's
-// workers by index; each gets a DEALER (identity: this worker's name) when first sent to.
+// workers by index; each is connected when first sent to: a local one through a greeting (its
+// pipes then, ServeSocket), a remote one by a DEALER (identity: this worker's name). A message to
+// a local worker that is gone is dropped: its loss comes from the driver (lost(), or repoint()
+// for its replacement).
 // While next() waits it also watches other sockets (the worker's driver link and serve socket)
 // and runs their handlers, so that a worker waiting for another still answers what must not wait.
 class PeerChannel : public CallChannel {
@@ -98,29 +139,42 @@ class PeerChannel : public CallChannel {
   void repoint(std::size_t peer, const std::string& endpoint);
   void wake() override;
   std::uint64_t dropped() const override { return drops_.count(); }
+  // Waits up to `timeout` until what was sent to local workers has been written.
+  bool flush(std::chrono::milliseconds timeout) override;
   // Tensors of kShmThreshold bytes or more go straight into shared memory, in segments that are
   // reused once the workers they went to let go of them.
   EncodedValue adopt(const twk_value_v1& v) override { return adopt_to_shm(v, &pool_); }
 
  private:
-  zmq::socket_t& connection(std::size_t peer);
-  // A shared-memory channel to a local peer (nullptr for a TCP peer, or if it cannot be made).
-  std::unique_ptr<ShmChannel> open_shm(std::size_t peer);
+  struct Connection;
+  // The connection to `peer`, made on first use; nullptr for a local worker that is gone.
+  Connection* connection(std::size_t peer);
+  std::unique_ptr<Connection> connect_local(std::size_t peer, const std::string& path);
+  std::unique_ptr<Connection> connect_remote(std::size_t peer);
+  // The next message already read from a connection, or read now; a local connection found
+  // closed is closed here.
+  std::optional<ChannelEvent> read_replies();
+  void close(std::size_t peer);
+  std::vector<int> flush_waiting();  // the flusher's: each local connection's waiting calls
 
   zmq::context_t& context_;
   std::string identity_;
   std::vector<std::string> names_;
   std::vector<std::string> endpoints_;
   SocketSecurity security_;
-  std::vector<std::unique_ptr<zmq::socket_t>> sockets_;  // by peer, made on first send
-  ShmPool pool_;                                         // before the channels that use it
-  std::vector<std::unique_ptr<ShmChannel>> shm_;         // by peer, beside its socket
-  std::vector<std::size_t> open_;                        // peers with a socket
+  ShmPool pool_;  // before the connections, whose channels use it
+  // By peer, made on first send. Changed on the worker's thread only, under connections_mu_,
+  // which the flusher holds while it writes (the worker's thread reads them without).
+  std::vector<std::unique_ptr<Connection>> connections_;
+  std::mutex connections_mu_;
+  std::vector<std::size_t> open_;  // peers with a connection
   std::vector<std::pair<Waitable, std::function<void()>>> watched_;
   std::chrono::milliseconds tick_interval_{0};
   std::function<void()> tick_;
+  std::vector<pollfd> fds_;  // scratch for next()
   ChannelEvents events_;
   DropLog drops_{"a worker's connections to the other workers"};
+  std::unique_ptr<Flusher> flusher_;  // last: stopped first, while the connections are there
 };
 
 }  // namespace twinkle::transport

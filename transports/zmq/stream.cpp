@@ -61,9 +61,11 @@ FrameStream::FrameStream(Fd socket) : read_end_(std::move(socket)) {
 // Pipes rather than a socket pair: a write appends to the pipe's last page while it has room, so
 // a burst of small messages costs the reader a few page copies instead of one socket buffer each
 // (a pipelined echo of call-sized messages runs about 4x faster; docs/ARCHITECTURE.md, Sockets).
-FrameStream::FrameStream(Fd in, Fd out) : read_end_(std::move(in)), write_end_(std::move(out)) {
+FrameStream::FrameStream(Fd in, Fd out, bool large_pipes)
+    : read_end_(std::move(in)), write_end_(std::move(out)) {
   make_non_blocking(read_end_.get());
   make_non_blocking(write_end_.get());
+  if (!large_pipes) return;
   // The writer's end sizes its pipe; the reader's end asks for its own (the other side's writer
   // may not have).
   (void)::fcntl(write_end_.get(), F_SETPIPE_SZ, kPipeBuffer);

@@ -32,8 +32,10 @@ class FrameStream {
   explicit FrameStream(Fd socket);
   // Reads `in` and writes `out` (the ends of two pipes), both made non-blocking. Writing to a pipe
   // whose reader is gone raises SIGPIPE: a process that writes to one ignores it (the driver and
-  // the workers do). Throws TransportError when it cannot.
-  FrameStream(Fd in, Fd out);
+  // the workers do). With `large_pipes` both pipes are asked to hold 512 KiB (a driver's burst of
+  // calls); without, they keep the kernel's 64 KiB (the many connections between workers, each of
+  // which counts against the user's pipe allowance). Throws TransportError when it cannot.
+  FrameStream(Fd in, Fd out, bool large_pipes = true);
   FrameStream(const FrameStream&) = delete;
   FrameStream& operator=(const FrameStream&) = delete;
 
