@@ -356,8 +356,14 @@ class JobRun : public HostOps {
           });
     }
     const std::string address = site_->driver_address();
-    channel_ =
-        std::make_unique<transport::TcpDriverChannel>(zmq_, address, identities, driver_side);
+    // Without keys the workers' control channels are plain TCP streams (no ZeroMQ I/O thread on
+    // either side); with keys, CURVE on a ROUTER.
+    if (driver_side.keys) {
+      channel_ =
+          std::make_unique<transport::TcpDriverChannel>(zmq_, address, identities, driver_side);
+    } else {
+      channel_ = std::make_unique<transport::StreamDriverChannel>(address, identities);
+    }
     kv_ = std::make_unique<transport::KvServer>(zmq_, fmt::format("tcp://{}:*", address),
                                                 driver_side);
     RemoteSite::Launch launch{job_.plugin_path, channel_->endpoint(), worker_side, options_.log_dir,

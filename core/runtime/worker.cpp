@@ -128,7 +128,7 @@ class Worker : public HostOps {
     world_ = env_int("WORLD_SIZE", 1);
     local_rank_ = env_int("LOCAL_RANK", rank_);
     local_world_ = env_int("LOCAL_WORLD_SIZE", world_);
-    if (o.endpoint.starts_with("tcp://")) {
+    if (remote()) {
       // A remote worker: CURVE with the run's keys (handed over by its agent) when the cluster
       // uses keys. Losing the driver's connection ends the worker and what it started: its calls
       // are lost with it, and nobody else would stop it.
@@ -140,13 +140,15 @@ class Worker : public HostOps {
         ::unsetenv(v);  // not for the plugin, nor for what it starts
       node_ip_ = env_str("TWINKLE_NODE_IP");
       const std::string name = name_;
-      link_ = transport::connect_tcp_worker(
-          zmq_, o.endpoint, name_, security_, [name](const std::string& why) {
-            std::fprintf(stderr, "twinkle worker %s: %s; exiting\n", name.c_str(), why.c_str());
-            std::fflush(stderr);
-            kill(0, SIGKILL);
-            _exit(1);
-          });
+      auto on_lost = [name](const std::string& why) {
+        std::fprintf(stderr, "twinkle worker %s: %s; exiting\n", name.c_str(), why.c_str());
+        std::fflush(stderr);
+        kill(0, SIGKILL);
+        _exit(1);
+      };
+      link_ = o.endpoint.starts_with(transport::kStreamScheme)
+                  ? transport::connect_stream_worker(o.endpoint, on_lost)
+                  : transport::connect_tcp_worker(zmq_, o.endpoint, name_, security_, on_lost);
     } else {
       // A local worker: its control channel and descriptor channel are inherited descriptors.
       // Its driver closing the control channel means it died: the same as its parent-death
@@ -262,9 +264,14 @@ class Worker : public HostOps {
  private:
   // Local workers serve on a Unix socket in the run folder; remote ones on TCP at their node's
   // address, with the run's keys when the cluster uses keys.
+  // A remote worker's driver is at a TCP endpoint: a ROUTER (tcp://) or a stream (tcp+stream://).
+  bool remote() const {
+    return options_.endpoint.starts_with("tcp://") ||
+           options_.endpoint.starts_with(transport::kStreamScheme);
+  }
+
   std::string serve_endpoint() {
-    if (options_.endpoint.starts_with("tcp://"))
-      return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
+    if (remote()) return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
     std::snprintf(g_run_files[1], sizeof g_run_files[1], "%s", path.c_str());

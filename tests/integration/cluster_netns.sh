@@ -104,9 +104,17 @@ make_hosts() {
   [ "$(on h2 hostname)" = twk-h2 ] || fail "host 2's hostname is $(on h2 hostname)"
 }
 
-# Every member its own key pair; the head admits the members' public keys.
+# Every member its own key pair; the head admits the members' public keys. With INSECURE set, no
+# keys: every member and the head run with --insecure (plaintext beyond loopback), so the
+# workers' control channels are plain TCP streams instead of CURVE sockets.
 make_keys() {
   local who
+  if [ -n "${INSECURE:-}" ]; then
+    for who in "${HOSTS[@]}"; do declare -ga "KEYS_$who=(--insecure)"; done
+    HEAD_KEYS=(--insecure)
+    return
+  fi
+  HEAD_KEYS=(--key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/authorized_keys")
   run 0 "$TWK" keygen --out "$TMP/keys/head" --name cluster-head
   : >"$TMP/keys/authorized_keys"
   for who in "${HOSTS[@]}"; do
@@ -131,7 +139,7 @@ start_cluster() {
   make_hosts
   make_keys
   spawn "$TMP/head.log" - h1 "$TWK" node start --head --no-agent --bind "$NET.1" \
-    --port "$PORT" --key "$TMP/keys/head/twinkle.key" --authorized-keys "$TMP/keys/authorized_keys"
+    --port "$PORT" "${HEAD_KEYS[@]}"
   wait_for "$TMP/head.log" "listening on" 10
   grep -qF "$ADDR" "$TMP/head.log" || { cat "$TMP/head.log"; fail "the head does not listen on $ADDR"; }
   local h
@@ -242,6 +250,11 @@ PY
     expect_no_workers 5
     ;;
 
+  netns_link_down_insecure)
+    # The same without keys: the workers' plain TCP control streams end by their keepalive and
+    # user timeout, and the workers on h3 end by themselves as with CURVE sockets' heartbeats.
+    INSECURE=1
+    ;&
   netns_link_down)
     start_cluster
     mkdir -p "$TMP/job"
@@ -271,6 +284,10 @@ TOML
     wait_for "$TMP/run.out" "ALL READY" 30
     [ -n "$(workers_on h2)" ] || fail "no workers on h2 before the cut"
     [ -n "$(workers_on h3)" ] || fail "no workers on h3 before the cut"
+    if [ -n "${INSECURE:-}" ]; then
+      pgrep -f -- "--endpoint tcp[+]stream://" >/dev/null ||
+        { pgrep -af twinkle-worker; fail "the workers do not talk to their driver over a TCP stream"; }
+    fi
     # The silent cut: host 3's port on the switch goes down, its packets are dropped.
     cut=$(now)
     ip -n "$NS-sw" link set port-h3 down || fail "cannot take port-h3 down"

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -787,6 +788,125 @@ TEST_CASE("calls between workers: a serve socket path too long for a Unix socket
   } catch (const TransportError& e) {
     CHECK_THAT(e.what(), Catch::Contains("longer than a Unix socket's 107 bytes"));
   }
+}
+
+// Remote workers of a cluster without keys: one TCP stream each, known by its first hello.
+TEST_CASE("stream channel: a worker's hello names its connection; calls and replies both ways",
+          "[zmq]") {
+  StreamDriverChannel channel("127.0.0.1", {"w0", "w1"});
+  REQUIRE(channel.endpoint().starts_with("tcp+stream://127.0.0.1:"));
+  auto link = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  REQUIRE(e->kind == ChannelEvent::Kind::message);
+  CHECK(e->peer == 1);
+  REQUIRE(e->message.get<proto::Hello>());
+  CHECK(e->message.get<proto::Hello>()->pid == 42);
+
+  Tensor t(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});  // in the stream
+  t.mutable_span<float>()[777] = 5;
+  channel.send(1, Message{7, proto::Call{1, "m", "x.cpp:1", encode(Value::list({Value(t)})), {}}});
+  auto m = link->recv(5s);
+  REQUIRE(m);
+  REQUIRE(m->get<proto::Call>());
+  CHECK(m->id == 7);
+  CHECK(decode(m->get<proto::Call>()->args)[0].tensor().span<float>()[777] == 5);
+  link->send(Message{7, proto::Reply{std::nullopt, encode(Value(9))}});
+  e = channel.next(5s);
+  REQUIRE(e);
+  CHECK(e->peer == 1);
+  REQUIRE(e->message.get<proto::Reply>());
+  CHECK(decode(e->message.get<proto::Reply>()->value).as<int>() == 9);
+  CHECK(channel.dropped() == 0);
+}
+
+TEST_CASE("stream channel: what does not begin with a worker's hello is closed and counted",
+          "[zmq]") {
+  StreamDriverChannel channel("127.0.0.1", {"w0", "w1"});
+  // Not Twinkle at all; a hello of another build (protocol version 1); a hello from a name that
+  // is not a worker of the run; a call before any hello.
+  auto junk = connect_stream(channel.endpoint());
+  REQUIRE(::send(junk.get(), "GET / HTTP/1.0\r\n\r\n", 18, MSG_NOSIGNAL) == 18);
+  Frames v1 = encode_message(Message{0, proto::Hello{"w1", "g", 1, 1, "x", ""}});
+  put_u16(v1, 4, 1);
+  FrameStream old_stream(connect_stream(channel.endpoint()));
+  old_stream.send(std::move(v1));
+  auto stranger = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  stranger->send(Message{0, proto::Hello{"intruder", "g", 0, 1, "x", ""}});
+  auto early = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  early->send(Message{1, proto::Shutdown{}});
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (channel.dropped() < 4 && std::chrono::steady_clock::now() < deadline) {
+    auto e = channel.next(20ms);
+    CHECK_FALSE(e);  // nothing is delivered for them
+  }
+  CHECK(channel.dropped() == 4);
+  // The real worker still says hello and is answered.
+  auto link = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  CHECK(e->peer == 1);
+  channel.send(1, Message{0, proto::Shutdown{}});
+  auto w = link->recv(5s);
+  REQUIRE(w);
+  CHECK(w->type() == MsgType::shutdown);
+}
+
+TEST_CASE("stream channel: a stranger that says hello first under a worker's name does not keep it",
+          "[zmq]") {
+  StreamDriverChannel channel("127.0.0.1", {"w0", "w1"});
+  auto stranger = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  stranger->send(Message{0, proto::Hello{"w1", "g", 1, 1, "x", ""}});
+  auto e = channel.next(5s);
+  REQUIRE(e);
+  CHECK(e->peer == 1);
+  // The worker's own connection, later, takes the name over: what is sent to w1 reaches it.
+  auto link = connect_stream_worker(channel.endpoint(), [](const std::string&) {});
+  link->send(Message{0, proto::Hello{"w1", "g", 1, 42, "h", ""}});
+  e = channel.next(5s);
+  REQUIRE(e);
+  CHECK(e->peer == 1);
+  REQUIRE(e->message.get<proto::Hello>());
+  CHECK(e->message.get<proto::Hello>()->pid == 42);
+  channel.send(1, Message{3, proto::Shutdown{}});
+  auto w = link->recv(5s);
+  REQUIRE(w);
+  CHECK(w->id == 3);
+  CHECK_FALSE(stranger->recv(100ms));
+}
+
+TEST_CASE("stream channel: a remote worker hears at once that the driver's end is gone", "[zmq]") {
+  // Without reading: its worker's thread may be busy in plugin code.
+  std::atomic<int> lost{0};
+  std::promise<std::string> told;
+  auto why = told.get_future();
+  std::unique_ptr<WorkerLink> link;
+  {
+    StreamDriverChannel channel("127.0.0.1", {"w0"});
+    link = connect_stream_worker(channel.endpoint(), [&](const std::string& w) {
+      if (lost++ == 0) told.set_value(w);
+    });
+    link->send(Message{0, proto::Hello{"w0", "g", 0, 42, "h", ""}});
+    REQUIRE(channel.next(5s));
+  }
+  REQUIRE(why.wait_for(5s) == std::future_status::ready);
+  CHECK_THAT(why.get(), Catch::Contains("the connection to the driver at tcp+stream://"));
+  CHECK_FALSE(link->recv(100ms));
+  CHECK(lost == 1);
+}
+
+TEST_CASE("stream channel: a driver that is not there is named", "[zmq]") {
+  std::string endpoint;
+  { endpoint = StreamDriverChannel("127.0.0.1", {"w0"}).endpoint(); }  // its port is free again
+  try {
+    connect_stream(endpoint);
+    FAIL("connected to " << endpoint);
+  } catch (const TransportError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("cannot reach the driver at " + endpoint));
+  }
+  CHECK_THROWS_AS(connect_stream("tcp://127.0.0.1:1"), TransportError);
 }
 
 TEST_CASE("frame stream: a stream whose framing breaks is closed and says why", "[zmq]") {

@@ -44,12 +44,42 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
   }
 }
 
+// Watches a socket for its end while the worker's thread may be busy in plugin code: the other
+// end closed it (POLLRDHUP), reset it or stopped answering (POLLERR, POLLHUP: keepalive or the
+// user timeout). Runs `on_end` once, on its own thread.
+class HangupWatch {
+ public:
+  HangupWatch(int fd, std::function<void()> on_end) : stop_(::eventfd(0, EFD_CLOEXEC)) {
+    if (!stop_)
+      throw TransportError(fmt::format("cannot create an eventfd: {}", std::strerror(errno)));
+    thread_ = std::thread([this, fd, on_end = std::move(on_end)] {
+      pollfd p[2] = {{fd, POLLRDHUP, 0}, {stop_.get(), POLLIN, 0}};
+      int rc;
+      while ((rc = ::poll(p, 2, -1)) < 0 && errno == EINTR) {
+      }
+      if (rc > 0 && !p[1].revents && p[0].revents) on_end();
+    });
+  }
+  ~HangupWatch() {
+    const std::uint64_t one = 1;
+    (void)!::write(stop_.get(), &one, sizeof one);
+    thread_.join();
+  }
+  HangupWatch(const HangupWatch&) = delete;
+  HangupWatch& operator=(const HangupWatch&) = delete;
+
+ private:
+  Fd stop_;
+  std::thread thread_;
+};
+
 // A local worker's end of its driver's channel: the control stream, read and written by the
-// worker's thread itself. An answer sent after another one with nothing read from the driver in
-// between (the worker took several calls in one read) waits up to Flusher::kCoalesce to be written
-// with the next, by the link's flusher thread, which also writes what a full pipe did not take
-// once it has room: the worker never blocks on its driver, and the driver reads whenever it
-// waits.
+// worker's thread itself. Also a remote worker's end of a StreamDriverChannel: the same over its
+// TCP socket, whose end a HangupWatch reports even while the worker's thread is busy. An answer
+// sent after another one with nothing read from the driver in between (the worker took several
+// calls in one read) waits up to Flusher::kCoalesce to be written with the next, by the link's
+// flusher thread, which also writes what a full pipe did not take once it has room: the worker
+// never blocks on its driver, and the driver reads whenever it waits.
 class LocalWorkerLink : public WorkerLink {
  public:
   LocalWorkerLink(Fd from_driver, Fd to_driver, Fd shm,
@@ -62,7 +92,20 @@ class LocalWorkerLink : public WorkerLink {
       return full;
     });
   }
+  LocalWorkerLink(Fd socket, const std::string& endpoint,
+                  std::function<void(const std::string&)> on_lost)
+      : stream_(std::move(socket)), on_lost_(std::move(on_lost)) {
+    flusher_ = std::make_unique<Flusher>([this] {
+      std::vector<int> full;
+      writes_.flush(stream_, full);
+      return full;
+    });
+    watch_ = std::make_unique<HangupWatch>(stream_.in_fd(), [this, endpoint] {
+      lost(fmt::format("the connection to the driver at {} is gone", endpoint));
+    });
+  }
   ~LocalWorkerLink() override {
+    watch_.reset();
     flusher_.reset();
     // What still waits goes before the worker exits (the driver reads until its workers exit).
     std::lock_guard lock(writes_.mu);
@@ -123,9 +166,9 @@ class LocalWorkerLink : public WorkerLink {
   void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
+  // From the worker's thread or the HangupWatch's: reported once.
   void lost(const std::string& why) {
-    if (lost_reported_) return;
-    lost_reported_ = true;
+    if (lost_reported_.exchange(true)) return;
     if (on_lost_) on_lost_(why);
   }
 
@@ -133,9 +176,10 @@ class LocalWorkerLink : public WorkerLink {
   CoalescedWrites writes_;  // the stream's write side: the worker's thread and the flusher
   std::unique_ptr<ShmChannel> shm_;
   std::function<void(const std::string&)> on_lost_;
-  bool lost_reported_ = false;
+  std::atomic<bool> lost_reported_{false};
   DropLog drops_{"the worker's link to its driver"};
-  std::unique_ptr<Flusher> flusher_;  // last: stopped first
+  std::unique_ptr<Flusher> flusher_;
+  std::unique_ptr<HangupWatch> watch_;  // a remote worker's; last: stopped first
 };
 
 class TcpWorkerLink : public WorkerLink {
@@ -296,6 +340,7 @@ struct LocalDriverChannel::Peer {
   // The stream's write side: the driver's thread sends, and both it and the flusher write what
   // waits (Flusher::kCoalesce).
   CoalescedWrites writes;
+  PolledStream polled() { return {stream.get(), &writes, &readable}; }
 };
 
 LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
@@ -396,59 +441,24 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
     if (auto e = take_read()) return e;
     // Read what the last poll found, until each of those sockets is empty.
     bool got = false;
-    for (auto& p : peers_) {
-      if (!p->readable) continue;
-      if (p->stream->read() == FrameStream::Read::data) {
-        got = true;
-        p->writes.heard();
-        p->readable = !p->stream->drained();
-      } else {
-        p->readable = false;
-      }
-    }
+    for (auto& p : peers_) got = p->polled().read_ready() || got;
     if (got) continue;
     // What a peer sent comes before the news that it is lost: a lost worker's last answers
     // count (the loss of a worker whose group restarts fails only the calls it did not answer).
     // So a lost event is delivered only once a poll found no peer with more to read.
     if (!held_) held_ = events_.take();
-    long left = -1;
-    if (held_) {
-      left = 0;
-    } else if (!forever) {
-      left = std::max<long>(
-          0,
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
-    }
+    const long left = poll_wait_ms(held_.has_value(), forever, deadline);
     // Two entries a peer: what it sent (POLLIN), and room for what waits for it (POLLOUT).
     polled_.clear();
-    for (auto& p : peers_) {
-      const bool open = !p->stream->closed();
-      polled_.push_back(pollfd{open ? p->stream->in_fd() : -1, POLLIN, 0});
-      bool out = false;
-      if (open) {
-        std::lock_guard lock(p->writes.mu);
-        out = p->stream->has_output();
-      }
-      polled_.push_back(pollfd{out ? p->stream->out_fd() : -1, POLLOUT, 0});
-    }
+    for (auto& p : peers_) p->polled().add_entries(polled_);
     polled_.push_back(pollfd{events_.fd(), POLLIN, 0});
     int rc;
     do {
       rc = ::poll(polled_.data(), polled_.size(), static_cast<int>(left));
     } while (rc < 0 && errno == EINTR);
     bool any = false;
-    for (std::size_t i = 0; i < peers_.size() && rc > 0; ++i) {
-      // POLLERR on a pipe's write end: its reader is gone (flush says so).
-      if (polled_[2 * i + 1].revents & (POLLOUT | POLLERR)) {
-        try {
-          std::lock_guard lock(peers_[i]->writes.mu);
-          peers_[i]->stream->flush();
-        } catch (const TransportError&) {
-          // That worker is gone: its launcher reports it.
-        }
-      }
-      if (polled_[2 * i].revents & (POLLIN | POLLHUP | POLLERR)) any = peers_[i]->readable = true;
-    }
+    for (std::size_t i = 0; i < peers_.size() && rc > 0; ++i)
+      any = peers_[i]->polled().polled(&polled_[2 * i]) || any;
     if (any) continue;
     if (held_) {
       // Its signal goes too (a later loss is taken before the next wait all the same).
@@ -541,6 +551,11 @@ std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, F
 }  // namespace twinkle::transport
 
 namespace twinkle::transport {
+
+std::unique_ptr<WorkerLink> connect_stream_worker(const std::string& endpoint,
+                                                  std::function<void(const std::string&)> on_lost) {
+  return std::make_unique<LocalWorkerLink>(connect_stream(endpoint), endpoint, std::move(on_lost));
+}
 
 std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,
                                                const std::string& identity,

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -260,6 +261,58 @@ class TcpDriverChannel : public RouterDriverChannel {
   EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
 };
 
+// Remote workers of a cluster without keys: a plain TCP listener on `host`, on an ephemeral port
+// (endpoint "tcp+stream://HOST:PORT"). A worker connects once; its first message, its hello,
+// says which worker the connection is (a later connection whose hello names the same worker
+// takes over, as a ROUTER's handover; a first message that is not a hello of a worker of this
+// run closes the connection). From then on a FrameStream per worker, written and read by the
+// driver's thread, and by a flusher for what waits, as local workers' pipes: no ZeroMQ I/O thread
+// on either side. Both ends keep TCP keepalive and a user timeout of kHeartbeatTimeout, so that
+// a connection to a machine that is gone ends. Tensors travel in the stream.
+class StreamDriverChannel : public CallChannel {
+ public:
+  // Throws TransportError naming `host` when it cannot listen there.
+  StreamDriverChannel(const std::string& host, std::vector<std::string> identities);
+  ~StreamDriverChannel() override;
+
+  const std::string& endpoint() const override { return endpoint_; }
+  // A worker not connected yet, or whose connection is gone, is sent nothing: its loss comes
+  // from its launcher (the agent that saw it exit, the head that saw its node die).
+  void send(std::size_t peer, const Message& m) override;
+  std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
+  void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override;
+  void forget_lost(std::size_t peer) override { events_.forget(peer); }
+  void wake() override { events_.wake(); }
+  bool flush(std::chrono::milliseconds timeout) override;
+  std::uint64_t dropped() const override { return drops_.count(); }
+  EncodedValue adopt(const twk_value_v1& v) override { return copy_encoded(v); }
+
+  // Connections that have not said hello yet, at most; the oldest is closed for a new one.
+  static constexpr std::size_t kMaxPending = 256;
+
+ private:
+  struct Conn;
+  std::optional<ChannelEvent> take_read();
+  void accept_pending();
+  std::vector<int> flush_waiting();
+
+  std::string endpoint_;
+  std::vector<std::string> identities_;
+  std::unordered_map<std::string, std::size_t> by_identity_;
+  Fd listener_;
+  // By peer; empty until it said hello. Changed on the driver's thread only, under peers_mu_,
+  // which the flusher holds while it writes (the driver's thread reads it without).
+  std::vector<std::unique_ptr<Conn>> peers_;
+  std::mutex peers_mu_;
+  std::deque<std::unique_ptr<Conn>> pending_;  // accepted, no hello yet
+  std::size_t turn_ = 0;
+  std::optional<ChannelEvent> held_;
+  std::vector<pollfd> polled_;
+  ChannelEvents events_;
+  DropLog drops_{"the control socket"};
+  std::unique_ptr<Flusher> flusher_;  // last: stopped first
+};
+
 // A local worker's end: its control stream (the pipes `from_driver` and `to_driver`) and
 // descriptor channel `shm` (taken over; empty for none). `on_lost` runs (on the worker's thread)
 // when the driver's end is gone: the driver died or closed it.
@@ -273,6 +326,19 @@ namespace twinkle::transport {
 // A remote worker's end: a DEALER with `identity` connected to the driver's TCP `endpoint` with
 // `security` and heartbeats. `on_lost` runs (on another thread) when the connection to the
 // driver, once made, is gone: the driver died or the network between them failed.
+// A remote worker's end of a StreamDriverChannel at `endpoint` ("tcp+stream://HOST:PORT"),
+// connected within 10 s, with keepalive. `on_lost` runs (on a thread of the link's, even while
+// the worker's thread is busy) when the connection, once made, is gone. Throws TransportError
+// naming the endpoint when it cannot connect.
+std::unique_ptr<WorkerLink> connect_stream_worker(const std::string& endpoint,
+                                                  std::function<void(const std::string&)> on_lost);
+
+// The scheme of a StreamDriverChannel's endpoint.
+inline constexpr std::string_view kStreamScheme = "tcp+stream://";
+// A TCP connection to the StreamDriverChannel at `endpoint`, made within 10 s, non-blocking, with
+// the channel's keepalive. Throws TransportError naming the endpoint and why.
+Fd connect_stream(const std::string& endpoint);
+
 std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,
                                                const std::string& identity,
                                                const SocketSecurity& security,

@@ -290,6 +290,51 @@ void CoalescedWrites::flush(FrameStream& stream, std::vector<int>& full) {
   }
 }
 
+long poll_wait_ms(bool holding, bool forever, std::chrono::steady_clock::time_point deadline) {
+  if (holding) return 0;
+  if (forever) return -1;
+  return std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                               deadline - std::chrono::steady_clock::now())
+                               .count());
+}
+
+bool PolledStream::read_ready() const {
+  if (!stream || !*readable) return false;
+  if (stream->read() == FrameStream::Read::data) {
+    writes->heard();
+    *readable = !stream->drained();
+    return true;
+  }
+  *readable = false;
+  return false;
+}
+
+void PolledStream::add_entries(std::vector<pollfd>& polled) const {
+  const bool open = stream && !stream->closed();
+  polled.push_back(pollfd{open ? stream->in_fd() : -1, POLLIN, 0});
+  bool out = false;
+  if (open) {
+    std::lock_guard lock(writes->mu);
+    out = stream->has_output();
+  }
+  polled.push_back(pollfd{out ? stream->out_fd() : -1, POLLOUT, 0});
+}
+
+bool PolledStream::polled(const pollfd* entries) const {
+  if (!stream) return false;
+  // POLLERR on a pipe's write end: its reader is gone (flush says so).
+  if (entries[1].revents & (POLLOUT | POLLERR)) {
+    try {
+      std::lock_guard lock(writes->mu);
+      stream->flush();
+    } catch (const TransportError&) {
+      // That worker is gone: its launcher reports it.
+    }
+  }
+  if (entries[0].revents & (POLLIN | POLLHUP | POLLERR)) return *readable = true;
+  return false;
+}
+
 Flusher::Flusher(std::function<std::vector<int>()> flush) : flush_(std::move(flush)) {
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_)

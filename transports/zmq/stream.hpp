@@ -1,5 +1,7 @@
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -120,6 +122,27 @@ struct CoalescedWrites {
   std::mutex mu;            // the stream's write side: send, flush, flush_wait, has_output
   unsigned unanswered = 0;  // messages sent since something came (the writer's thread only)
 };
+
+// A peer's stream as a driver's channel polls it (LocalDriverChannel, StreamDriverChannel): its
+// write side and whether the last poll found it readable.
+struct PolledStream {
+  FrameStream* stream = nullptr;  // nullptr: no connection (yet)
+  CoalescedWrites* writes = nullptr;
+  bool* readable = nullptr;  // the last poll said so, and no read emptied it since
+
+  // One read if the last poll found input: true when bytes came.
+  bool read_ready() const;
+  // Its two poll entries: what it sent (POLLIN) and room for what waits for it (POLLOUT), each
+  // -1 when there is nothing to wait for.
+  void add_entries(std::vector<pollfd>& polled) const;
+  // After the poll, with its two entries: writes what waits where there is room, notes input.
+  // True when it has input.
+  bool polled(const pollfd* entries) const;
+};
+
+// How long a driver's channel may wait in its poll: 0 while it holds an event to deliver, no
+// limit (-1) without a deadline, else what is left until `deadline`.
+long poll_wait_ms(bool holding, bool forever, std::chrono::steady_clock::time_point deadline);
 
 // A thread that writes what waits in streams' outboxes (FrameStream::send with `now` false)
 // kCoalesce after the first of it waited, so that a burst of messages to one peer costs one
