@@ -942,6 +942,43 @@ TEST_CASE("frame stream: a message in several frames arrives whole, split across
   CHECK_FALSE(reader.take());
 }
 
+TEST_CASE("frame stream: large frames that wait, between small ones, arrive whole and in order",
+          "[zmq]") {
+  // More than the pipe holds: what waits is partly kept as frames (large payloads), partly as
+  // bytes (heads, small frames), and must leave in the order it was sent. Large messages are
+  // handed to the reader as views of its read buffer.
+  auto to_reader = FdPair::pipe("a test");
+  auto to_writer = FdPair::pipe("a test");
+  FrameStream writer(std::move(to_writer.first), std::move(to_reader.second), false);
+  FrameStream reader(std::move(to_reader.first), std::move(to_writer.second), false);
+  constexpr int kMessages = 24;
+  for (int i = 0; i < kMessages; ++i) {
+    Frames out;
+    out.emplace_back(fmt::format("m{}", i));
+    // 1.5 MiB, 200 KiB and 1 KiB payloads in turn: held frames, one read buffer adopted.
+    const std::size_t big = i % 3 == 0 ? (3u << 19) : i % 3 == 1 ? 200000u : 1000u;
+    out.emplace_back(std::string(big, static_cast<char>('a' + i % 26)));
+    out.emplace_back(std::string(100000, static_cast<char>('A' + i % 26)));
+    writer.send(std::move(out), i % 2 == 0);  // now, or into the outbox after the others
+  }
+  int got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (got < kMessages && std::chrono::steady_clock::now() < deadline) {
+    writer.flush();
+    while (auto in = reader.recv()) {
+      REQUIRE(in->size() == 3);
+      CHECK((*in)[0].to_string() == fmt::format("m{}", got));
+      const std::size_t big = got % 3 == 0 ? (3u << 19) : got % 3 == 1 ? 200000u : 1000u;
+      const std::string b = (*in)[1].to_string(), c = (*in)[2].to_string();
+      CHECK(b == std::string(big, static_cast<char>('a' + got % 26)));
+      CHECK(c == std::string(100000, static_cast<char>('A' + got % 26)));
+      ++got;
+    }
+  }
+  CHECK(got == kMessages);
+  CHECK_FALSE(writer.has_output());
+}
+
 TEST_CASE("rendezvous store: a socket path too long for a Unix socket", "[zmq]") {
   zmq::context_t ctx;
   const std::string path = "/tmp/" + std::string(103, 'x');  // 108 characters

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -50,6 +51,12 @@ std::uint64_t get_u64(const char* c) {
 
 bool gone(int err) { return err == EPIPE || err == ECONNRESET || err == ENOTCONN; }
 
+// What a frame adopted from a read buffer releases: its share of the buffer.
+template <class Buffer>
+void release_buffer_of(void*, void* hint) {
+  delete static_cast<std::shared_ptr<Buffer>*>(hint);
+}
+
 }  // namespace
 
 FrameStream::FrameStream(Fd socket) : read_end_(std::move(socket)) {
@@ -75,6 +82,7 @@ FrameStream::FrameStream(Fd in, Fd out, bool large_pipes)
 void FrameStream::write_failed(int err) {
   out_.clear();
   out_begin_ = 0;
+  held_.clear();
   if (gone(err)) {
     write_gone_ = true;
     throw TransportError("the other end of the stream is gone");
@@ -90,22 +98,30 @@ void FrameStream::send(Frames&& frames, bool now) {
   constexpr std::size_t kInline = 8;
   unsigned char inline_heads[8 * kInline];
   iovec inline_iov[2 * kInline];
+  std::size_t inline_frame_of[2 * kInline];
   std::vector<unsigned char> more_heads;
   std::vector<iovec> more_iov;
+  std::vector<std::size_t> more_frame_of;
   unsigned char* heads = inline_heads;
   iovec* iov = inline_iov;
+  std::size_t* frame_of = inline_frame_of;  // by iovec: its frame + 1 for a payload, 0 for a head
   if (frames.size() > kInline) {
     more_heads.resize(frames.size() * 8);
     more_iov.resize(frames.size() * 2);
+    more_frame_of.resize(frames.size() * 2);
     heads = more_heads.data();
     iov = more_iov.data();
+    frame_of = more_frame_of.data();
   }
   std::size_t count = 0;  // iovecs
   for (std::size_t i = 0; i < frames.size(); ++i) {
     const std::uint64_t size = frames[i].size();
     put_u64(heads + 8 * i, size | (i + 1 < frames.size() ? kMore : 0));
+    frame_of[count] = 0;
     iov[count++] = {heads + 8 * i, 8};
-    if (size > 0) iov[count++] = {frames[i].data(), size};
+    if (size == 0) continue;
+    frame_of[count] = i + 1;
+    iov[count++] = {frames[i].data(), size};
   }
   std::size_t done = 0;  // iovecs written whole
   if (now && !has_output()) {
@@ -134,8 +150,15 @@ void FrameStream::send(Frames&& frames, bool now) {
       }
     }
   }
-  // What the socket did not take waits, after what waited already.
+  // What the socket did not take waits, after what waited already: a large frame's payload as
+  // the frame itself (not copied), the rest as bytes.
   for (std::size_t i = done; i < count; ++i) {
+    if (frame_of[i] != 0 && iov[i].iov_len >= kHoldBytes) {
+      zmq::message_t& f = frames[frame_of[i] - 1];
+      const std::size_t at = f.size() - iov[i].iov_len;
+      held_.push_back(Held{out_.size(), std::move(f), at});
+      continue;
+    }
     const char* p = static_cast<const char*>(iov[i].iov_base);
     out_.insert(out_.end(), p, p + iov[i].iov_len);
   }
@@ -143,8 +166,13 @@ void FrameStream::send(Frames&& frames, bool now) {
 
 bool FrameStream::flush() {
   while (has_output()) {
-    const char* data = out_.data() + out_begin_;
-    const std::size_t size = out_.size() - out_begin_;
+    // The bytes before the next held frame, else that frame's payload.
+    const std::size_t stop = held_.empty() ? out_.size() : held_.front().before;
+    const bool bytes = out_begin_ < stop;
+    Held* h = bytes ? nullptr : &held_.front();
+    const char* data =
+        bytes ? out_.data() + out_begin_ : static_cast<const char*>(h->frame.data()) + h->at;
+    const std::size_t size = bytes ? stop - out_begin_ : h->frame.size() - h->at;
     const ssize_t n = write_end_ ? ::write(write_end_.get(), data, size)
                                  : ::send(read_end_.get(), data, size, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
@@ -152,7 +180,11 @@ bool FrameStream::flush() {
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       write_failed(errno);
     }
-    out_begin_ += static_cast<std::size_t>(n);
+    if (bytes) {
+      out_begin_ += static_cast<std::size_t>(n);
+    } else if ((h->at += static_cast<std::size_t>(n)) == h->frame.size()) {
+      held_.pop_front();
+    }
   }
   if (!has_output()) {
     out_.clear();
@@ -161,6 +193,7 @@ bool FrameStream::flush() {
   }
   if (out_begin_ > out_.size() / 2) {  // what was written goes, so that the outbox stays small
     out_.erase(out_.begin(), out_.begin() + static_cast<std::ptrdiff_t>(out_begin_));
+    for (Held& held : held_) held.before -= out_begin_;
     out_begin_ = 0;
   }
   return false;
@@ -208,6 +241,25 @@ std::optional<Frames> FrameStream::take() {
   }
   Frames frames;
   frames.reserve(count);
+  if (pos - in_begin_ >= kAdoptBytes) {
+    auto held = std::make_shared<Buffer>(std::move(in_));
+    in_ = Buffer(held->begin() + static_cast<std::ptrdiff_t>(pos),
+                 held->begin() + static_cast<std::ptrdiff_t>(in_end_));
+    for (std::size_t p = in_begin_; p < pos;) {
+      const auto size = static_cast<std::size_t>(get_u64(held->data() + p) & ~kMore);
+      if (size == 0) {
+        frames.emplace_back();
+      } else {
+        frames.emplace_back(held->data() + p + 8, size, &release_buffer_of<Buffer>,
+                            new std::shared_ptr<Buffer>(held));
+      }
+      p += 8 + size;
+    }
+    in_begin_ = 0;
+    in_end_ = in_.size();
+    want_ = 0;
+    return frames;
+  }
   for (std::size_t p = in_begin_; p < pos;) {
     const auto size = static_cast<std::size_t>(get_u64(in_.data() + p) & ~kMore);
     frames.emplace_back(in_.data() + p + 8, size);

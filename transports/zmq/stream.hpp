@@ -7,11 +7,13 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "transports/zmq/message.hpp"
@@ -23,6 +25,29 @@
 // thread stands between the caller and the kernel, which is what a ZeroMQ socket costs per message
 // (two thread wake-ups a side).
 namespace twinkle::transport {
+
+namespace detail {
+// An allocator whose elements start uninitialised: a read buffer is written by read() before
+// anything looks at it, so growing it need not zero it first.
+template <class T>
+struct UninitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <class U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}  // NOLINT: as std::allocator's
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    if constexpr (sizeof...(Args) == 0) {
+      ::new (static_cast<void*>(p)) U;
+    } else {
+      ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
+  }
+};
+}  // namespace detail
 
 // One end of the stream, non-blocking. On the wire every frame is a u64 (little endian): its
 // length in the low 63 bits and, in bit 63, whether another frame of the same message follows;
@@ -61,7 +86,7 @@ class FrameStream {
   // flush() until the outbox is empty, waiting up to `timeout` (negative: no limit) for room;
   // false when time ran out.
   bool flush_wait(std::chrono::milliseconds timeout);
-  bool has_output() const { return out_begin_ < out_.size(); }
+  bool has_output() const { return out_begin_ < out_.size() || !held_.empty(); }
 
   // The next whole message that was read already, without reading the socket.
   std::optional<Frames> take();
@@ -92,14 +117,27 @@ class FrameStream {
   // says why); what it sent is still read. Throws TransportError.
   [[noreturn]] void write_failed(int err);
 
-  Fd read_end_;           // read; written too (with sendmsg, MSG_NOSIGNAL) when write_end_ is empty
-  Fd write_end_;          // written with writev, when it is not read_end_ (a pipe)
-  std::vector<char> in_;  // [in_begin_, in_end_) read and not taken yet
+  Fd read_end_;   // read; written too (with sendmsg, MSG_NOSIGNAL) when write_end_ is empty
+  Fd write_end_;  // written with writev, when it is not read_end_ (a pipe)
+  // A message of kAdoptBytes or more is not copied out of the read buffer: its frames keep the
+  // buffer, and reading goes on in a new one.
+  static constexpr std::size_t kAdoptBytes = std::size_t{1} << 20;
+  using Buffer = std::vector<char, detail::UninitAllocator<char>>;
+  Buffer in_;  // [in_begin_, in_end_) read and not taken yet
   std::size_t in_begin_ = 0, in_end_ = 0;
   std::size_t want_ = 0;   // bytes the message at in_begin_ needs in all (0: not known)
   bool drained_ = false;   // the last read got less than it asked for: the socket is empty
   std::vector<char> out_;  // [out_begin_, end) waits to be written
   std::size_t out_begin_ = 0;
+  // A frame payload of kHoldBytes or more that waits is kept as its frame, not copied into out_:
+  // its bytes [at, size) go after out_'s first `before` bytes (and before the rest).
+  static constexpr std::size_t kHoldBytes = std::size_t{64} << 10;
+  struct Held {
+    std::size_t before;
+    zmq::message_t frame;
+    std::size_t at;
+  };
+  std::deque<Held> held_;
   bool closed_ = false;
   std::atomic<bool> write_gone_{false};  // a write found the other end gone: reads go on to its end
   std::string write_error_;              // a write failed otherwise: nothing more is written
