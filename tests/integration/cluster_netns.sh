@@ -251,8 +251,8 @@ PY
     ;;
 
   netns_link_down_insecure)
-    # The same without keys: the workers' plain TCP control streams end by their keepalive and
-    # user timeout, and the workers on h3 end by themselves as with CURVE sockets' heartbeats.
+    # The same without keys: the workers' plain TCP control streams (idle here) end by their
+    # keepalive, and the workers on h3 end by themselves as with CURVE sockets' heartbeats.
     INSECURE=1
     ;&
   netns_link_down)

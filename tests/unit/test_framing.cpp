@@ -897,6 +897,35 @@ TEST_CASE("stream channel: a remote worker hears at once that the driver's end i
   CHECK(lost == 1);
 }
 
+TEST_CASE(
+    "stream channel: a worker that does not read for longer than the heartbeat timeout "
+    "keeps its connection",
+    "[zmq]") {
+  // A worker in a long call does not read its stream: what the driver sends fills the window, and
+  // the connection must live on (a TCP user timeout of 3 s ended it after 3.5 s).
+  std::atomic<int> lost{0};
+  StreamDriverChannel channel("127.0.0.1", {"w0"});
+  auto link = connect_stream_worker(channel.endpoint(), [&](const std::string&) { ++lost; });
+  link->send(Message{0, proto::Hello{"w0", "g", 0, 42, "h", ""}});
+  REQUIRE(channel.next(5s));
+  const std::string pad(1 << 20, 'p');
+  constexpr int kCalls = 24;  // 24 MiB: more than both sockets' buffers
+  for (int i = 0; i < kCalls; ++i)
+    channel.send(0, Message{static_cast<std::uint64_t>(i + 1),
+                            proto::Call{1, "m", pad, encode(Value::list()), {}}});
+  // Nothing comes back while the worker is busy: the driver's wait outlasts kHeartbeatTimeout.
+  CHECK_FALSE(channel.next(kHeartbeatTimeout + 1500ms));
+  int got = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (got < kCalls && std::chrono::steady_clock::now() < deadline) {
+    auto m = link->recv(100ms);
+    if (m && m->id == static_cast<std::uint64_t>(got + 1)) ++got;
+    channel.next(0ms);  // the driver writes what waits as the window opens
+  }
+  CHECK(got == kCalls);
+  CHECK(lost == 0);
+}
+
 TEST_CASE("stream channel: a driver that is not there is named", "[zmq]") {
   std::string endpoint;
   { endpoint = StreamDriverChannel("127.0.0.1", {"w0"}).endpoint(); }  // its port is free again

@@ -45,8 +45,8 @@ std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::millisec
 }
 
 // Watches a socket for its end while the worker's thread may be busy in plugin code: the other
-// end closed it (POLLRDHUP), reset it or stopped answering (POLLERR, POLLHUP: keepalive or the
-// user timeout). Runs `on_end` once, on its own thread.
+// end closed it (POLLRDHUP), reset it or stopped answering (POLLERR, POLLHUP: keepalive, TCP's
+// retransmissions). Runs `on_end` once, on its own thread.
 class HangupWatch {
  public:
   HangupWatch(int fd, std::function<void()> on_end) : stop_(::eventfd(0, EFD_CLOEXEC)) {

@@ -267,8 +267,9 @@ class TcpDriverChannel : public RouterDriverChannel {
 // takes over, as a ROUTER's handover; a first message that is not a hello of a worker of this
 // run closes the connection). From then on a FrameStream per worker, written and read by the
 // driver's thread, and by a flusher for what waits, as local workers' pipes: no ZeroMQ I/O thread
-// on either side. Both ends keep TCP keepalive and a user timeout of kHeartbeatTimeout, so that
-// a connection to a machine that is gone ends. Tensors travel in the stream.
+// on either side. Both ends keep TCP keepalive, so that an idle connection to a machine that is
+// gone ends within about kHeartbeatTimeout (no user timeout: a peer that does not read for a
+// while is alive). Tensors travel in the stream.
 class StreamDriverChannel : public CallChannel {
  public:
   // Throws TransportError naming `host` when it cannot listen there.

@@ -22,19 +22,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// No Nagle delay (every message is a whole call or reply), and a connection to a machine that is
-// gone ends within about kHeartbeatTimeout: keepalive probes while it is idle, a user timeout
-// while data waits for acknowledgement.
+// No Nagle delay (every message is a whole call or reply), and an idle connection to a machine
+// that is gone ends within about kHeartbeatTimeout (keepalive probes, answered by the peer's
+// kernel). No TCP_USER_TIMEOUT: a peer that does not read (a worker in a long call, a driver
+// busy in its entry) leaves the sender a full window, and a user timeout would end that live
+// connection after it (measured: 3.5 s with 3 s); a machine gone while data waits is found by
+// TCP's retransmissions, and sooner by the head (a DEAD node).
 void tune_socket(int fd) {
   const int one = 1;
   const int idle = 1, interval = 1, count = 2;
-  const unsigned timeout_ms = static_cast<unsigned>(kHeartbeatTimeout.count());
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   (void)::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
-  (void)::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout_ms, sizeof timeout_ms);
 }
 
 // HOST and PORT of "tcp+stream://HOST:PORT" ("[V6]:PORT" too); false when it is not one.
