@@ -80,31 +80,23 @@ class HangupWatch {
 // calls in one read) waits up to Flusher::kCoalesce to be written with the next, by the link's
 // flusher thread, which also writes what a full pipe did not take once it has room: the worker
 // never blocks on its driver, and the driver reads whenever it waits.
-class LocalWorkerLink : public WorkerLink {
+class StreamWorkerLink : public WorkerLink {
  public:
-  LocalWorkerLink(Fd from_driver, Fd to_driver, Fd shm,
-                  std::function<void(const std::string&)> on_lost)
+  StreamWorkerLink(Fd from_driver, Fd to_driver, Fd shm,
+                   std::function<void(const std::string&)> on_lost)
       : stream_(std::move(from_driver), std::move(to_driver)), on_lost_(std::move(on_lost)) {
     if (shm) shm_ = std::make_unique<ShmChannel>(std::move(shm));
-    flusher_ = std::make_unique<Flusher>([this] {
-      std::vector<int> full;
-      writes_.flush(stream_, full);  // a driver gone is found by the worker's next read
-      return full;
-    });
+    start_flusher();
   }
-  LocalWorkerLink(Fd socket, const std::string& endpoint,
-                  std::function<void(const std::string&)> on_lost)
+  StreamWorkerLink(Fd socket, const std::string& endpoint,
+                   std::function<void(const std::string&)> on_lost)
       : stream_(std::move(socket)), on_lost_(std::move(on_lost)) {
-    flusher_ = std::make_unique<Flusher>([this] {
-      std::vector<int> full;
-      writes_.flush(stream_, full);
-      return full;
-    });
+    start_flusher();
     watch_ = std::make_unique<HangupWatch>(stream_.in_fd(), [this, endpoint] {
       lost(fmt::format("the connection to the driver at {} is gone", endpoint));
     });
   }
-  ~LocalWorkerLink() override {
+  ~StreamWorkerLink() override {
     watch_.reset();
     flusher_.reset();
     // What still waits goes before the worker exits (the driver reads until its workers exit).
@@ -166,6 +158,13 @@ class LocalWorkerLink : public WorkerLink {
   void drop(const std::string& why) override { drops_.drop(why); }
 
  private:
+  void start_flusher() {
+    flusher_ = std::make_unique<Flusher>([this] {
+      std::vector<int> full;
+      writes_.flush(stream_, full);  // a driver gone is found by the worker's next read
+      return full;
+    });
+  }
   // From the worker's thread or the HangupWatch's: reported once.
   void lost(const std::string& why) {
     if (lost_reported_.exchange(true)) return;
@@ -340,7 +339,7 @@ struct LocalDriverChannel::Peer {
   // The stream's write side: the driver's thread sends, and both it and the flusher write what
   // waits (Flusher::kCoalesce).
   CoalescedWrites writes;
-  PolledStream polled() { return {stream.get(), &writes, &readable}; }
+  PolledStream polled() { return {stream.get(), &writes, &readable, &broken}; }
 };
 
 LocalDriverChannel::LocalDriverChannel(std::vector<std::string> names)
@@ -413,21 +412,12 @@ bool LocalDriverChannel::flush(std::chrono::milliseconds timeout) {
 std::optional<ChannelEvent> LocalDriverChannel::take_read() {
   for (std::size_t k = 0; k < peers_.size(); ++k) {
     const std::size_t i = (turn_ + k) % peers_.size();
-    Peer& p = *peers_[i];
-    while (auto frames = p.stream->take()) {
-      try {
-        ChannelEvent e;
-        e.peer = i;
-        e.message = decode_message(std::move(*frames), p.shm.get());
-        turn_ = i + 1;
-        return e;
-      } catch (const TransportError& err) {
-        drops_.drop(fmt::format("from worker {}: {}", names_[i], err.what()));
-      }
-    }
-    if (p.stream->closed() && !p.stream->error().empty() && !p.broken) {
-      p.broken = true;
-      drops_.drop(fmt::format("from worker {}: {}", names_[i], p.stream->error()));
+    if (auto m = peers_[i]->polled().take(peers_[i]->shm.get(), drops_, names_[i])) {
+      ChannelEvent e;
+      e.peer = i;
+      e.message = std::move(*m);
+      turn_ = i + 1;
+      return e;
     }
   }
   return std::nullopt;
@@ -544,8 +534,8 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
 
 std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, Fd shm,
                                                  std::function<void(const std::string&)> on_lost) {
-  return std::make_unique<LocalWorkerLink>(std::move(from_driver), std::move(to_driver),
-                                           std::move(shm), std::move(on_lost));
+  return std::make_unique<StreamWorkerLink>(std::move(from_driver), std::move(to_driver),
+                                            std::move(shm), std::move(on_lost));
 }
 
 }  // namespace twinkle::transport
@@ -554,7 +544,7 @@ namespace twinkle::transport {
 
 std::unique_ptr<WorkerLink> connect_stream_worker(const std::string& endpoint,
                                                   std::function<void(const std::string&)> on_lost) {
-  return std::make_unique<LocalWorkerLink>(connect_stream(endpoint), endpoint, std::move(on_lost));
+  return std::make_unique<StreamWorkerLink>(connect_stream(endpoint), endpoint, std::move(on_lost));
 }
 
 std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,

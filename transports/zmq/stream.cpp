@@ -350,6 +350,22 @@ long poll_wait_ms(bool holding, bool forever, std::chrono::steady_clock::time_po
                                .count());
 }
 
+std::optional<Message> PolledStream::take(ShmChannel* shm, DropLog& drops,
+                                          const std::string& who) const {
+  while (auto frames = stream->take()) {
+    try {
+      return decode_message(std::move(*frames), shm);
+    } catch (const TransportError& err) {
+      drops.drop(fmt::format("from worker {}: {}", who, err.what()));
+    }
+  }
+  if (stream->closed() && !stream->error().empty() && !*broken) {
+    *broken = true;
+    drops.drop(fmt::format("from worker {}: {}", who, stream->error()));
+  }
+  return std::nullopt;
+}
+
 bool PolledStream::read_ready() const {
   if (!stream || !*readable) return false;
   if (stream->read() == FrameStream::Read::data) {

@@ -145,7 +145,7 @@ class FrameStream {
 };
 
 // A stream's write side shared by its writer's thread and a Flusher (LocalDriverChannel's peers,
-// LocalWorkerLink): the lock both take, and when a message waits for the ones after it.
+// StreamWorkerLink): the lock both take, and when a message waits for the ones after it.
 struct CoalescedWrites {
   // Sends `frames` on `stream` under `mu`: at once when something came from the other end since
   // the last message it was sent, else into the outbox. True when something waits there (the
@@ -167,6 +167,11 @@ struct PolledStream {
   FrameStream* stream = nullptr;  // nullptr: no connection (yet)
   CoalescedWrites* writes = nullptr;
   bool* readable = nullptr;  // the last poll said so, and no read emptied it since
+  bool* broken = nullptr;    // its framing broke: reported once
+
+  // The next whole message already read, decoded (with `shm` for shared-memory tensors); what
+  // does not decode, and a framing that broke, go into `drops` naming worker `who`.
+  std::optional<Message> take(ShmChannel* shm, DropLog& drops, const std::string& who) const;
 
   // One read if the last poll found input: true when bytes came.
   bool read_ready() const;

@@ -69,7 +69,7 @@ struct StreamDriverChannel::Conn {
   CoalescedWrites writes;  // the driver's thread and the flusher
   bool readable = false;   // the last poll said so, and no read emptied it since
   bool broken = false;     // its framing broke: reported once
-  PolledStream polled() { return {&stream, &writes, &readable}; }
+  PolledStream polled() { return {&stream, &writes, &readable, &broken}; }
 };
 
 StreamDriverChannel::StreamDriverChannel(const std::string& host,
@@ -219,22 +219,13 @@ std::optional<ChannelEvent> StreamDriverChannel::take_read() {
   }
   for (std::size_t k = 0; k < peers_.size(); ++k) {
     const std::size_t i = (turn_ + k) % peers_.size();
-    Conn* p = peers_[i].get();
-    if (!p) continue;
-    while (auto frames = p->stream.take()) {
-      try {
-        ChannelEvent e;
-        e.peer = i;
-        e.message = decode_message(std::move(*frames));
-        turn_ = i + 1;
-        return e;
-      } catch (const TransportError& err) {
-        drops_.drop(fmt::format("from worker {}: {}", identities_[i], err.what()));
-      }
-    }
-    if (p->stream.closed() && !p->stream.error().empty() && !p->broken) {
-      p->broken = true;
-      drops_.drop(fmt::format("from worker {}: {}", identities_[i], p->stream.error()));
+    if (!peers_[i]) continue;
+    if (auto m = peers_[i]->polled().take(nullptr, drops_, identities_[i])) {
+      ChannelEvent e;
+      e.peer = i;
+      e.message = std::move(*m);
+      turn_ = i + 1;
+      return e;
     }
   }
   return std::nullopt;
