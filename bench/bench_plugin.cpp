@@ -133,6 +133,19 @@ void round_trips(twinkle::Handle& one, int n) {
   figure("call_rtt_p99", percentile(rtt, 0.99), "us");
 }
 
+// `n` calls of `one` to the 8 workers of `eight` (all + sum) after 200 to warm up: their p50.
+void fan_out(twinkle::Handle& eight, int n) {
+  for (int i = 0; i < 200; ++i) eight.call("one").get();
+  std::vector<double> fan;
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    const int s = eight.call("one").get().as<int>();
+    fan.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    if (s != 8) throw std::runtime_error("fan-out sum is not 8");
+  }
+  figure("fanout_8_p50", percentile(fan, 0.5), "us");
+}
+
 }  // namespace
 
 TWINKLE_DRIVER(calls, twinkle::Driver& d) {
@@ -142,15 +155,7 @@ TWINKLE_DRIVER(calls, twinkle::Driver& d) {
   round_trips(one, n);
   figure("pipelined_1_worker", calls_per_second(one, 5 * n), "calls/s");
   figure("pipelined_8_workers", calls_per_second(eight, n), "calls/s");
-  std::vector<double> fan;
-  for (int i = 0; i < 200; ++i) eight.call("one").get();
-  for (int i = 0; i < n / 2; ++i) {
-    const auto t0 = Clock::now();
-    const int s = eight.call("one").get().as<int>();
-    fan.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    if (s != 8) throw std::runtime_error("fan-out sum is not 8");
-  }
-  figure("fanout_8_p50", percentile(fan, 0.5), "us");
+  fan_out(eight, n / 2);
 }
 
 // Only round trips to one worker, for profiling: `twinkle run bench.toml --set job.driver=rtt`.
@@ -169,6 +174,13 @@ TWINKLE_DRIVER(pipelined, twinkle::Driver& d) {
   for (int i = 0; i < 500; ++i) one.call("noop").get();
   figure("pipelined_1_worker", calls_per_second(one, 5 * n), "calls/s");
   figure("pipelined_8_workers", calls_per_second(eight, n), "calls/s");
+}
+
+// Only the fan-out to 8, for profiling: `twinkle run bench.toml --set job.driver=fanout`.
+TWINKLE_DRIVER(fanout, twinkle::Driver& d) {
+  const int n = d.args()["calls"].as<int>();
+  auto eight = d.create<Bench>("eight");
+  fan_out(eight, n);
 }
 
 TWINKLE_DRIVER(dispatch, twinkle::Driver& d) {

@@ -9,28 +9,36 @@ using transport::Message;
 
 Inbox::Inbox(transport::WorkerLink& link, transport::ServeSocket& serve, GroupCalls& calls,
              Communicators& comms, std::function<std::string(const Message&)> what)
-    : link_(link), serve_(serve), calls_(calls), comms_(comms), what_(std::move(what)) {}
+    : link_(link),
+      serve_(serve),
+      calls_(calls),
+      comms_(comms),
+      what_(std::move(what)),
+      link_level_(link.waitable().level_triggered()),
+      serve_level_(serve.waitable().level_triggered()) {}
 
 std::optional<Inbox::Pending> Inbox::take() {
   if (queue_.empty()) return std::nullopt;
-  serve_quiet_ = false;  // what runs may use the serve socket
+  // What runs may use a ZeroMQ socket (its descriptor then no longer wakes for what waits).
+  link_quiet_ = link_quiet_ && link_level_;
+  serve_quiet_ = serve_quiet_ && serve_level_;
   Pending p = std::move(queue_.front());
   queue_.pop_front();
   return p;
 }
 
 void Inbox::wait() {
-  // Both sockets are read until empty before waiting (wait_readable's condition).
-  read_link();
+  // A socket is read until empty before waiting (wait_readable's condition), unless it is quiet:
+  // a local worker's pipe and serve socket are read only when a poll says they have something
+  // (three system calls a call: the poll, a read, the answer's write).
+  if (!link_quiet_) read_link();
   if (!serve_quiet_) read_serve();
-  serve_quiet_ = false;
   if (queue_.empty()) {
     const transport::Woke woke = transport::wait_readable({link_.waitable(), serve_.waitable()}, -1,
                                                           std::chrono::milliseconds(-1));
-    // The serve socket was read empty and did not wake, and nothing runs before the next wait:
-    // it has nothing (a ZeroMQ socket's descriptor wakes for every message to an empty socket
-    // that nothing used since; a local serve socket's epoll descriptor is readable while any
-    // caller has input), so the next wait does not read it (a system call or two a call).
+    // A socket that was read empty and did not wake has nothing, and nothing runs before the
+    // next wait: the next wait does not read it.
+    link_quiet_ = link_level_ && (woke.sockets & 1u) == 0;  // a DEALER is read all the same
     serve_quiet_ = (woke.sockets & 2u) == 0;
   }
 }
@@ -38,7 +46,7 @@ void Inbox::wait() {
 // Messages from the driver: a lost worker and a communicator's membership take effect at once (a
 // call in progress may need them); the rest waits its turn.
 void Inbox::read_link() {
-  while (auto m = link_.recv(std::chrono::milliseconds(0))) {
+  while (auto m = link_.recv_ready()) {
     if (auto* lost = m->get<proto::PeerLost>()) {
       calls_.peer_lost(lost->peer, std::move(lost->text));
     } else if (auto* join = m->get<proto::CommJoin>()) {
@@ -54,6 +62,7 @@ void Inbox::read_link() {
                              transport::to_string(m->type())));
     }
   }
+  link_quiet_ = link_level_;
 }
 
 // Requests from other workers. While this worker is in a call, one that this call (directly or
@@ -90,6 +99,7 @@ void Inbox::read_serve() {
     }
     queue_.push_back(Pending{std::move(r->from), std::move(m)});
   }
+  serve_quiet_ = serve_level_;
 }
 
 const CallChain::Chain& Inbox::chain_of(const Message& m) {

@@ -51,7 +51,12 @@ class Inbox {
   Communicators& comms_;
   std::function<std::string(const transport::Message&)> what_;
   std::deque<Pending> queue_;
-  bool serve_quiet_ = false;  // the last wait found the serve socket empty and it did not wake
+  // A socket needs no read before the next wait: the last wait found it empty and it did not wake,
+  // or it was read empty and its poll says when more comes (Waitable::level_triggered).
+  bool link_quiet_ = false;
+  bool serve_quiet_ = false;
+  const bool link_level_;  // their Waitable::level_triggered
+  const bool serve_level_;
 };
 
 }  // namespace twinkle::core

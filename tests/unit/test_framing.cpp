@@ -375,6 +375,46 @@ TEST_CASE("driver channel: a worker's hello arrives with its peer index", "[zmq]
   CHECK(w->get<proto::Welcome>()->self == 1);
 }
 
+TEST_CASE("worker link: recv_ready takes what came, and a poll announces what comes after",
+          "[zmq]") {
+  // The worker's inbox reads its link only when a poll says so (three system calls a call):
+  // whatever recv_ready leaves, the link's descriptor must wake for.
+  int lost = 0;
+  auto channel = std::make_unique<LocalDriverChannel>(std::vector<std::string>{"w0"});
+  auto link = local_link(*channel, 0, &lost);
+  REQUIRE(link->waitable().level_triggered());
+  CHECK_FALSE(link->recv_ready());
+  channel->send(0, Message{1, proto::Shutdown{}});
+  channel->send(0, Message{2, proto::Shutdown{}});  // after a first message: may wait (kCoalesce)
+  for (std::uint64_t id = 1; id <= 2; ++id) {
+    REQUIRE(wait_readable({link->waitable()}, -1, 5s));
+    auto m = link->recv_ready();
+    if (!m && id == 2) {  // the second was written later than the first read
+      REQUIRE(wait_readable({link->waitable()}, -1, 5s));
+      m = link->recv_ready();
+    }
+    REQUIRE(m);
+    CHECK(m->id == id);
+  }
+  CHECK_FALSE(link->recv_ready());
+  CHECK_FALSE(wait_readable({link->waitable()}, -1, 0ms));  // nothing more: no wake
+  // An answer read by the driver: the next message is written at once, and the poll wakes.
+  link->send(Message{2, proto::Reply{std::nullopt, encode(Value(1))}});
+  REQUIRE(channel->next(5s));
+  channel->send(0, Message{3, proto::Shutdown{}});
+  REQUIRE(wait_readable({link->waitable()}, -1, 5s));
+  auto third = link->recv_ready();
+  REQUIRE(third);
+  CHECK(third->id == 3);
+  CHECK_FALSE(link->recv_ready());
+  // The driver gone: the poll wakes, and recv_ready reports the loss once.
+  channel.reset();
+  REQUIRE(wait_readable({link->waitable()}, -1, 5s));
+  CHECK_FALSE(link->recv_ready());
+  CHECK_FALSE(link->recv_ready());
+  CHECK(lost == 1);
+}
+
 TEST_CASE("driver channel: a burst to a busy worker is written together, and all of it arrives",
           "[zmq]") {
   // The first message of a burst is written at once; the rest wait for the flusher

@@ -119,29 +119,15 @@ class StreamWorkerLink : public WorkerLink {
   }
   std::optional<Message> recv(std::chrono::milliseconds timeout) override {
     using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point{};
     for (;;) {
-      bool read_data = false;
-      auto frames = stream_.recv(&read_data);
-      if (read_data) writes_.heard();
-      if (frames) {
-        try {
-          return decode_message(std::move(*frames), shm_.get());
-        } catch (const ProtocolError& e) {
-          drops_.drop(e.what());
-          continue;
-        }
-      }
-      if (stream_.closed()) {
-        lost(stream_.error().empty() ? "the driver closed its end of the control channel"
-                                     : "the control channel broke: " + stream_.error());
-        return std::nullopt;
-      }
+      if (auto m = recv_ready()) return m;
+      if (stream_.closed()) return std::nullopt;
       long left = -1;
       if (timeout.count() >= 0) {
-        left =
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-        if (left < 0) left = 0;
+        left = std::max<long>(
+            0,
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
       }
       pollfd p{stream_.in_fd(), POLLIN, 0};
       int rc;
@@ -150,6 +136,24 @@ class StreamWorkerLink : public WorkerLink {
       } while (rc < 0 && errno == EINTR);
       if (rc <= 0 && left >= 0) return std::nullopt;
     }
+  }
+  std::optional<Message> recv_ready() override {
+    for (;;) {
+      bool read_data = false;
+      auto frames = stream_.recv(&read_data);
+      if (read_data) writes_.heard();
+      if (!frames) break;
+      try {
+        return decode_message(std::move(*frames), shm_.get());
+      } catch (const ProtocolError& e) {
+        drops_.drop(e.what());
+      }
+    }
+    if (stream_.closed()) {
+      lost(stream_.error().empty() ? "the driver closed its end of the control channel"
+                                   : "the control channel broke: " + stream_.error());
+    }
+    return std::nullopt;
   }
   EncodedValue adopt(const twk_value_v1& v) override {
     return shm_ ? adopt_to_shm(v) : copy_encoded(v);

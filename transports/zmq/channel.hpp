@@ -56,6 +56,9 @@ struct Waitable {
     w.fd = fd;
     return w;
   }
+  // A descriptor's poll says whether it holds something now (level-triggered); a ZeroMQ socket's
+  // descriptor wakes only for what came to it while empty, so it is read empty before a wait.
+  bool level_triggered() const { return !socket; }
   zmq::socket_ref socket;
   int fd = -1;
 };
@@ -148,6 +151,10 @@ class WorkerLink {
   // The next message, waiting at most `timeout` (negative: until one comes); nullopt on timeout
   // or when what came did not decode (dropped, counted and logged: DropLog).
   virtual std::optional<Message> recv(std::chrono::milliseconds timeout) = 0;
+  // The next message that needs no wait and no poll: one already read, or what one read brings.
+  // nullopt once a read found the link empty: for a level-triggered waitable() its poll says
+  // when more comes (the stream's reads stop at a short read), for a socket recv(0) is asked.
+  virtual std::optional<Message> recv_ready() { return recv(std::chrono::milliseconds(0)); }
   // A value the plugin handed over, in the form this channel sends best (CallChannel::adopt).
   virtual EncodedValue adopt(const twk_value_v1& v) = 0;
   // A message that decoded but that the worker does not take: dropped, into the link's DropLog.
