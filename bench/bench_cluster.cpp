@@ -195,6 +195,18 @@ int main(int argc, char** argv) {
                                  "", remote)
                          .figures["call_rtt_p50"]);
     }
+    // Calls between groups in remote mode: every worker serves on its node's address, over TCP.
+    std::vector<double> pp50, psend;
+    const int send_mib = quick ? 16 : 64;
+    for (int rep = 0; rep < 3; ++rep) {
+      auto f = run_twinkle(twinkle, job, "peer_calls",
+                           with({fmt::format("args.calls={}", calls),
+                                 fmt::format("args.broadcast_mib={}", send_mib)}),
+                           "", remote)
+                   .figures;
+      pp50.push_back(f["peer_rtt_p50"]);
+      psend.push_back(f["peer_send"]);
+    }
     const int mib = quick ? 64 : 256;
     const double raw_bw = zmq_tcp_bandwidth(static_cast<std::size_t>(mib) << 20);
     const double bw = run_twinkle(twinkle, job, "dispatch_two",
@@ -223,6 +235,10 @@ int main(int argc, char** argv) {
         percentile(zp50, 0.5));
     row(fmt::format("2. {} MiB slice_dp to 2 remote workers (GB/s)", mib), bw, "zmq tcp GB/s",
         raw_bw);
+    row("   remote worker -> worker round trip p50 (us)", percentile(pp50, 0.5), "zmq tcp p50",
+        percentile(zp50, 0.5));
+    row(fmt::format("   {} MiB worker -> worker, remote mode (GB/s)", send_mib),
+        percentile(psend, 0.5), "zmq tcp GB/s", raw_bw);
     row("3. run to first call done, 8 workers, 2 agents (s)", percentile(first_remote, 0.5),
         "local mode", percentile(first_local, 0.5));
     fmt::print("4. head with {} simulated nodes heartbeating every 0.5 s: {:.1f}% of one core\n",

@@ -271,7 +271,11 @@ class Worker : public HostOps {
   }
 
   std::string serve_endpoint() {
-    if (remote()) return fmt::format("tcp://{}:*", node_ip_.empty() ? "127.0.0.1" : node_ip_);
+    if (remote()) {
+      // Without keys a TCP stream (docs/ARCHITECTURE.md, Sockets); with them a CURVE ROUTER.
+      return fmt::format("{}{}:*", security_.keys ? "tcp://" : transport::kStreamScheme,
+                         node_ip_.empty() ? "127.0.0.1" : node_ip_);
+    }
     if (options_.run_dir.empty()) return "tcp://127.0.0.1:*";
     const std::string path = (options_.run_dir / fmt::format("w{}", getpid())).string();
     std::snprintf(g_run_files[1], sizeof g_run_files[1], "%s", path.c_str());

@@ -818,6 +818,94 @@ TEST_CASE("calls between workers: a caller that ends is closed on the serving si
   CHECK(serve.dropped() == 0);
 }
 
+TEST_CASE("calls between remote workers without keys: TCP streams", "[zmq]") {
+  zmq::context_t context;
+  ::signal(SIGPIPE, SIG_IGN);
+  auto serve = std::make_unique<ServeSocket>(context, "tcp+stream://127.0.0.1:*", SocketSecurity{});
+  const std::string at = serve->endpoint();
+  REQUIRE(at.starts_with("tcp+stream://127.0.0.1:"));
+  CHECK(serve->waitable().level_triggered());
+  PeerChannel peers(context, "a:0", {"a:0", "b:0"}, {"", at}, {});
+
+  SECTION("a call and its reply carry a tensor in the stream") {
+    Tensor big(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});
+    big.mutable_span<float>()[12345] = 9;
+    peers.send(1, peer_call(5, Value::list({Value(big)})));
+    auto r = serve->recv(5s);
+    REQUIRE(r);
+    CHECK(r->from == "a:0");
+    REQUIRE(r->message.get<proto::Call>());
+    const Value args = decode(r->message.get<proto::Call>()->args);
+    CHECK(args[0].tensor().span<float>()[12345] == 9);
+    CHECK(args[0].tensor().shm_fd() < 0);  // no shared memory between machines
+    serve->reply("a:0", Message{5, proto::Reply{std::nullopt, encode(Value(big))}});
+    auto e = next_message(peers, 5s);
+    REQUIRE(e);
+    CHECK(e->peer == 1);
+    CHECK(e->message.id == 5);
+    REQUIRE(e->message.get<proto::Reply>());
+    CHECK(decode(e->message.get<proto::Reply>()->value).tensor().span<float>()[12345] == 9);
+    CHECK(serve->dropped() == 0);
+    CHECK(peers.dropped() == 0);
+  }
+
+  SECTION("a first message that is not a greeting is dropped and its connection closed") {
+    FrameStream call(connect_stream(at, "the serve socket"));  // a call without a greeting
+    call.send(encode_message(peer_call(1)));
+    FrameStream nameless(connect_stream(at, "the serve socket"));  // a greeting without a name
+    Frames empty;
+    empty.emplace_back("TWKG", 4);
+    nameless.send(std::move(empty));
+    FrameStream silent(connect_stream(at, "the serve socket"));  // says nothing: waits
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (serve->dropped() < 2 && std::chrono::steady_clock::now() < deadline) serve->recv(50ms);
+    CHECK(serve->dropped() == 2);
+    CHECK(serve->callers() == 1);  // the silent one
+    for (FrameStream* s : {&call, &nameless}) {
+      FrameStream::Read got = FrameStream::Read::empty;
+      for (int i = 0; i < 100 && got != FrameStream::Read::closed; ++i) {
+        pollfd p{s->in_fd(), POLLIN, 0};
+        ::poll(&p, 1, 50);
+        got = s->read();
+      }
+      CHECK(got == FrameStream::Read::closed);
+    }
+    peers.send(1, peer_call(2));  // the real caller is served
+    auto r = serve->recv(5s);
+    REQUIRE(r);
+    CHECK(r->from == "a:0");
+    CHECK(r->message.id == 2);
+  }
+
+  SECTION("a caller that greets under a known name takes its replies") {
+    peers.send(1, peer_call(1));
+    REQUIRE(serve->recv(5s));
+    PeerChannel successor(context, "a:0", {"a:0", "b:0"}, {"", at}, {});
+    successor.send(1, peer_call(2));
+    auto r = serve->recv(5s);
+    REQUIRE(r);
+    CHECK(r->message.id == 2);
+    serve->reply("a:0", Message{2, proto::Reply{std::nullopt, encode(Value(3))}});
+    auto e = next_message(successor, 5s);
+    REQUIRE(e);
+    CHECK(e->message.id == 2);
+    CHECK_FALSE(next_message(peers, 100ms));  // the predecessor's connection was closed
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (serve->callers() != 1 && std::chrono::steady_clock::now() < deadline) serve->recv(50ms);
+    CHECK(serve->callers() == 1);
+  }
+
+  SECTION("a worker that is gone is not the caller's error") {
+    peers.send(1, peer_call(1));
+    REQUIRE(serve->recv(5s));
+    serve.reset();
+    CHECK_FALSE(peers.next(200ms));              // the closed connection is dropped
+    CHECK_NOTHROW(peers.send(1, peer_call(2)));  // refused: nowhere, its loss comes from the driver
+    CHECK_FALSE(peers.next(50ms));
+    CHECK(peers.dropped() == 0);
+  }
+}
+
 TEST_CASE("calls between workers: a serve socket path too long for a Unix socket", "[zmq]") {
   TempDir dir;
   zmq::context_t context;

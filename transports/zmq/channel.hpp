@@ -343,9 +343,18 @@ std::unique_ptr<WorkerLink> connect_stream_worker(const std::string& endpoint,
 
 // The scheme of a StreamDriverChannel's endpoint.
 inline constexpr std::string_view kStreamScheme = "tcp+stream://";
-// A TCP connection to the StreamDriverChannel at `endpoint`, made within 10 s, non-blocking, with
-// the channel's keepalive. Throws TransportError naming the endpoint and why.
-Fd connect_stream(const std::string& endpoint);
+// A TCP connection to the stream listener at `endpoint` (a StreamDriverChannel's, a remote
+// worker's ServeSocket's), made within 10 s, non-blocking, with the streams' keepalive. Throws
+// TransportError naming `who`, the endpoint and why; with `error`, sets it to the errno and
+// returns no descriptor instead (a malformed endpoint still throws).
+Fd connect_stream(const std::string& endpoint, const std::string& who = "the driver",
+                  int* error = nullptr);
+// A listening TCP socket on `host` (a numeric address) at a port the kernel picks, non-blocking;
+// `endpoint` becomes its "tcp+stream://HOST:PORT". Throws TransportError naming `what`.
+Fd listen_stream(const std::string& host, const std::string& what, std::string& endpoint);
+// The next connection on `listener`, non-blocking, with the streams' keepalive and no Nagle
+// delay; no descriptor (errno says why) when none waits. `from`: the peer's address.
+Fd accept_stream(int listener, std::string* from = nullptr);
 
 std::unique_ptr<WorkerLink> connect_tcp_worker(zmq::context_t& context, const std::string& endpoint,
                                                const std::string& identity,

@@ -81,18 +81,33 @@ std::string local_serve_path(const std::string& serve_endpoint) {
   return serve_endpoint.substr(7);
 }
 
-// A local caller's connection: its call pipe read, its reply pipe written (by the worker's thread
-// and the flusher, CoalescedWrites), its descriptor channel.
+// A caller's connection: a local one's call pipe read, its reply pipe written (by the worker's
+// thread and the flusher, CoalescedWrites), its descriptor channel; a remote one's TCP stream,
+// nameless until its greeting came.
 struct ServeSocket::Caller {
   Caller(std::string who, Fd calls, Fd replies, Fd descriptors, ShmPool* pool)
       : name(std::move(who)),
         stream(std::move(calls), std::move(replies), false),
-        shm(std::move(descriptors), pool) {}
+        shm(std::make_unique<ShmChannel>(std::move(descriptors), pool)),
+        greeted(true) {}
+  explicit Caller(Fd socket) : stream(std::move(socket)) {}
   std::string name;
   FrameStream stream;
-  ShmChannel shm;
+  std::unique_ptr<ShmChannel> shm;  // local callers'
+  bool greeted = false;
   CoalescedWrites writes;
 };
+
+// The name in a stream caller's first message, or nothing when it is not a greeting.
+std::optional<std::string> greeting_name(const Frames& frames) {
+  if (frames.size() != 1) return std::nullopt;
+  const auto* data = static_cast<const char*>(frames[0].data());
+  const std::size_t size = frames[0].size();
+  if (size <= sizeof kGreeting || size > sizeof kGreeting + kMaxName ||
+      std::memcmp(data, kGreeting, sizeof kGreeting) != 0)
+    return std::nullopt;
+  return std::string(data + sizeof kGreeting, size - sizeof kGreeting);
+}
 
 ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
                          const SocketSecurity& security) {
@@ -120,6 +135,21 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
     flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
     return;
   }
+  if (endpoint.starts_with(kStreamScheme)) {
+    const std::string rest = endpoint.substr(kStreamScheme.size());
+    const auto colon = rest.rfind(':');
+    listener_ =
+        listen_stream(rest.substr(0, colon), "the socket for calls from other workers", endpoint_);
+    stream_ = true;
+    epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+    if (!epoll_)
+      throw TransportError(
+          fmt::format("cannot create an epoll instance for calls from other workers: {}",
+                      std::strerror(errno)));
+    epoll_watch(epoll_.get(), listener_.get(), tag(0, kListener));
+    flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
+    return;
+  }
   router_ = std::make_unique<zmq::socket_t>(context, zmq::socket_type::router);
   plain_options(*router_);
   router_->set(zmq::sockopt::router_mandatory, 1);
@@ -141,8 +171,8 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
 
 ServeSocket::~ServeSocket() {
   flusher_.reset();
-  if (path_.empty()) return;
-  ::unlink(path_.c_str());
+  if (router_) return;
+  if (!path_.empty()) ::unlink(path_.c_str());
   // Replies a full pipe did not take yet go before the worker ends, for a moment at most.
   const auto deadline = Clock::now() + std::chrono::seconds(1);
   for (auto& [key, c] : callers_) {
@@ -189,6 +219,43 @@ void ServeSocket::accept_greetings() {
   }
 }
 
+void ServeSocket::accept_streams() {
+  for (;;) {
+    std::string from;
+    Fd fd = accept_stream(listener_.get(), &from);
+    if (!fd) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        drops_.drop(
+            fmt::format("cannot accept a connection on {}: {}", endpoint_, std::strerror(errno)));
+      return;
+    }
+    const auto waiting = std::count_if(callers_.begin(), callers_.end(),
+                                       [](const auto& c) { return !c.second->greeted; });
+    if (static_cast<std::size_t>(waiting) >= kMaxGreeting) {
+      drops_.drop(fmt::format("a connection from {} on {}: {} others have not greeted yet", from,
+                              endpoint_, waiting));
+      continue;  // closed
+    }
+    const std::uint64_t key = ++next_key_;
+    auto caller = std::make_unique<Caller>(std::move(fd));
+    epoll_watch(epoll_.get(), caller->stream.in_fd(), tag(key, kCaller));
+    {
+      std::lock_guard lock(callers_mu_);
+      callers_.emplace(key, std::move(caller));
+    }
+    read_caller(key);  // a caller greets as soon as it connected
+  }
+}
+
+void ServeSocket::name_caller(std::uint64_t key, const std::string& name) {
+  // A worker replaced after a restart greets under its predecessor's name: the name goes to the
+  // new connection, and the old one (of a worker gone or going) is closed.
+  if (auto old = by_name_.find(name); old != by_name_.end() && old->second != key)
+    close_caller(old->second);
+  std::lock_guard lock(callers_mu_);
+  by_name_[name] = key;
+}
+
 void ServeSocket::greet(std::uint64_t key) {
   auto it = greeting_.find(key);
   if (it == greeting_.end()) return;
@@ -219,14 +286,11 @@ void ServeSocket::greet(std::uint64_t key) {
   auto caller = std::make_unique<Caller>(name, std::move(fds[0]), std::move(fds[1]),
                                          std::move(fds[2]), &pool_);
   epoll_watch(epoll_.get(), caller->stream.in_fd(), tag(key, kCaller));
-  // A worker replaced after a restart greets under its predecessor's name: the name goes to the
-  // new connection, and the old one (of a worker gone or going) is closed.
-  if (auto old = by_name_.find(name); old != by_name_.end()) close_caller(old->second);
   {
     std::lock_guard lock(callers_mu_);
     callers_.emplace(key, std::move(caller));
-    by_name_[name] = key;
   }
+  name_caller(key, name);
   read_caller(key);  // what it sent already
 }
 
@@ -239,8 +303,23 @@ void ServeSocket::read_caller(std::uint64_t key) {
     auto frames = c.stream.recv(&read_data);
     if (read_data) c.writes.heard();
     if (!frames) break;
+    if (!c.greeted) {
+      auto name = greeting_name(*frames);
+      if (!name) {
+        drops_.drop(
+            fmt::format("a connection on {}: its first message is not a greeting (is "
+                        "another program talking to this socket?)",
+                        endpoint_));
+        close_caller(key);
+        return;
+      }
+      c.name = std::move(*name);
+      c.greeted = true;
+      name_caller(key, c.name);
+      continue;
+    }
     try {
-      ready_.push_back(Request{c.name, decode_message(std::move(*frames), &c.shm)});
+      ready_.push_back(Request{c.name, decode_message(std::move(*frames), c.shm.get())});
     } catch (const TransportError& e) {
       drops_.drop(fmt::format("from \"{}\": {}", c.name.substr(0, 64), e.what()));
     }
@@ -282,7 +361,7 @@ void ServeSocket::poll_local(std::chrono::milliseconds timeout) {
     for (int i = 0; i < n; ++i) {
       const std::uint64_t key = events[i].data.u64 >> 2;
       switch (events[i].data.u64 & 3) {
-        case kListener: accept_greetings(); break;
+        case kListener: stream_ ? accept_streams() : accept_greetings(); break;
         case kGreeter: greet(key); break;
         default:
           read_caller(key);  // one closed by an earlier event of this batch is no longer there
@@ -328,7 +407,7 @@ void ServeSocket::reply(const std::string& to, const Message& m) {
   Caller& c = *callers_.at(it->second);
   bool waits = false;
   try {
-    waits = c.writes.send(c.stream, encode_message(m, &c.shm));
+    waits = c.writes.send(c.stream, encode_message(m, c.shm.get()));
   } catch (const TransportError&) {
     return;  // gone: its end of the stream is read next
   }
@@ -404,6 +483,29 @@ std::unique_ptr<PeerChannel::Connection> PeerChannel::connect_local(std::size_t 
 }
 
 std::unique_ptr<PeerChannel::Connection> PeerChannel::connect_remote(std::size_t peer) {
+  if (endpoints_[peer].starts_with(kStreamScheme)) {
+    // Refused: the worker is gone (its loss or replacement comes from the driver, as for a local
+    // one); a machine that does not answer within 10 s fails the call, naming it.
+    int err = 0;
+    Fd socket = connect_stream(endpoints_[peer], "worker " + names_.at(peer), &err);
+    if (!socket) {
+      if (err == ECONNREFUSED || err == ECONNRESET) return nullptr;
+      throw TransportError(fmt::format("cannot reach worker {} at {}: {}", names_.at(peer),
+                                       endpoints_[peer], std::strerror(err)));
+    }
+    auto c = std::make_unique<Connection>();
+    c->stream = std::make_unique<FrameStream>(std::move(socket));
+    std::string greeting(kGreeting, sizeof kGreeting);
+    greeting += identity_;
+    Frames hello;
+    hello.emplace_back(greeting.data(), greeting.size());
+    try {
+      c->stream->send(std::move(hello));  // the first of what this connection sends
+    } catch (const TransportError&) {
+      return nullptr;  // closed at once: gone, as above
+    }
+    return c;
+  }
   auto c = std::make_unique<Connection>();
   c->socket = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::dealer);
   zmq::socket_t& s = *c->socket;

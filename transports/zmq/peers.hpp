@@ -39,8 +39,13 @@ namespace twinkle::transport {
 // more travel as shared memory. What the worker polls is one epoll descriptor over the socket and
 // every caller's pipe.
 //
-// Remote mode ("tcp://HOST:*"): a ZeroMQ ROUTER, CURVE with the run's worker keys when the cluster
-// uses keys, heartbeats; tensors as frames.
+// Remote mode without keys ("tcp+stream://HOST:*"): a TCP listener where a caller connects once;
+// its first message is a greeting of one frame (the four bytes and its name), then calls and
+// replies are FrameStreams over the connection, read and written by the two workers' threads
+// (keepalive, no Nagle delay), tensors in the stream. The same epoll descriptor is polled.
+//
+// Remote mode with keys ("tcp://HOST:*"): a ZeroMQ ROUTER, CURVE with the run's worker keys,
+// heartbeats; tensors as frames.
 class ServeSocket {
  public:
   struct Request {
@@ -48,8 +53,8 @@ class ServeSocket {
     Message message;
   };
 
-  // Binds `endpoint` ("unix://PATH" or "tcp://HOST:*"); `security.keys` make a TCP one a CURVE
-  // server. Throws TransportError naming the endpoint.
+  // Binds `endpoint` ("unix://PATH", "tcp+stream://HOST:*" or "tcp://HOST:*"); `security.keys`
+  // make a tcp:// one a CURVE server. Throws TransportError naming the endpoint.
   ServeSocket(zmq::context_t& context, const std::string& endpoint, const SocketSecurity& security);
   ~ServeSocket();
   ServeSocket(const ServeSocket&) = delete;
@@ -72,7 +77,7 @@ class ServeSocket {
   // Where large results for callers go (segments come back when the callers let go of them).
   ShmPool* pool() { return &pool_; }
 
-  // Callers connected in local mode (for tests).
+  // Callers connected in local and stream mode, greeted or not (for tests).
   std::size_t callers() const { return callers_.size(); }
   // The most callers that may be waiting to greet at once; more are refused (closed).
   static constexpr std::size_t kMaxGreeting = 64;
@@ -82,15 +87,19 @@ class ServeSocket {
   // What one wait on the epoll descriptor found: callers greeted, requests read into ready_.
   void poll_local(std::chrono::milliseconds timeout);
   void accept_greetings();
+  void accept_streams();
   void greet(std::uint64_t key);
+  // A caller's name, greeted once: a name greeted again (a replaced worker) takes it over.
+  void name_caller(std::uint64_t key, const std::string& name);
   void read_caller(std::uint64_t key);
   void close_caller(std::uint64_t key);
   std::vector<int> flush_waiting();  // the flusher's: each caller's waiting replies written
 
   std::unique_ptr<zmq::socket_t> router_;  // remote mode
   std::string endpoint_;
-  // Local mode.
-  std::string path_;
+  // Local and stream mode.
+  std::string path_;  // local mode's socket
+  bool stream_ = false;
   Fd listener_;
   Fd epoll_;
   std::uint64_t next_key_ = 0;

@@ -72,10 +72,7 @@ struct StreamDriverChannel::Conn {
   PolledStream polled() { return {&stream, &writes, &readable, &broken}; }
 };
 
-StreamDriverChannel::StreamDriverChannel(const std::string& host,
-                                         std::vector<std::string> identities)
-    : identities_(std::move(identities)), peers_(identities_.size()) {
-  for (std::size_t i = 0; i < identities_.size(); ++i) by_identity_.emplace(identities_[i], i);
+Fd listen_stream(const std::string& host, const std::string& what, std::string& endpoint) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
@@ -83,25 +80,42 @@ StreamDriverChannel::StreamDriverChannel(const std::string& host,
   const std::string bare =
       host.size() > 2 && host.front() == '[' ? host.substr(1, host.size() - 2) : host;
   if (const int rc = ::getaddrinfo(bare.c_str(), "0", &hints, &found); rc != 0) {
-    throw TransportError(
-        fmt::format("cannot bind the driver's socket on {}: {}; is {} an address of this machine?",
-                    host, ::gai_strerror(rc), host));
+    throw TransportError(fmt::format("cannot bind {} on {}: {}; is {} an address of this machine?",
+                                     what, host, ::gai_strerror(rc), host));
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
-  listener_.reset(::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  Fd listener(::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   const int one = 1;
-  if (!listener_ ||
-      ::setsockopt(listener_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
-      ::bind(listener_.get(), found->ai_addr, found->ai_addrlen) != 0 ||
-      ::listen(listener_.get(), SOMAXCONN) != 0) {
-    throw TransportError(
-        fmt::format("cannot bind the driver's socket on {}: {}; is {} an address of this machine?",
-                    host, std::strerror(errno), host));
+  if (!listener || ::setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+      ::bind(listener.get(), found->ai_addr, found->ai_addrlen) != 0 ||
+      ::listen(listener.get(), SOMAXCONN) != 0) {
+    throw TransportError(fmt::format("cannot bind {} on {}: {}; is {} an address of this machine?",
+                                     what, host, std::strerror(errno), host));
   }
   sockaddr_storage bound{};
   socklen_t len = sizeof bound;
-  ::getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&bound), &len);
-  endpoint_ = std::string(kStreamScheme) + address_text(bound);
+  ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+  endpoint = std::string(kStreamScheme) + address_text(bound);
+  return listener;
+}
+
+Fd accept_stream(int listener, std::string* from) {
+  sockaddr_storage peer{};
+  socklen_t len = sizeof peer;
+  Fd fd(
+      ::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (fd) {
+    tune_socket(fd.get());
+    if (from) *from = address_text(peer);
+  }
+  return fd;
+}
+
+StreamDriverChannel::StreamDriverChannel(const std::string& host,
+                                         std::vector<std::string> identities)
+    : identities_(std::move(identities)), peers_(identities_.size()) {
+  for (std::size_t i = 0; i < identities_.size(); ++i) by_identity_.emplace(identities_[i], i);
+  listener_ = listen_stream(host, "the driver's socket", endpoint_);
   flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
 }
 
@@ -155,19 +169,16 @@ bool StreamDriverChannel::flush(std::chrono::milliseconds timeout) {
 
 void StreamDriverChannel::accept_pending() {
   for (;;) {
-    sockaddr_storage from{};
-    socklen_t len = sizeof from;
-    Fd fd(::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&from), &len,
-                    SOCK_CLOEXEC | SOCK_NONBLOCK));
+    std::string from;
+    Fd fd = accept_stream(listener_.get(), &from);
     if (!fd) {
       if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
         drops_.drop(fmt::format("cannot accept a connection: {}", std::strerror(errno)));
       return;
     }
-    tune_socket(fd.get());
     if (pending_.size() >= kMaxPending) {
-      drops_.drop(fmt::format("a connection from {} closed: {} others have not said hello",
-                              address_text(from), pending_.size()));
+      drops_.drop(fmt::format("a connection from {} closed: {} others have not said hello", from,
+                              pending_.size()));
       pending_.pop_front();
     }
     pending_.push_back(std::make_unique<Conn>(std::move(fd)));
@@ -276,22 +287,26 @@ std::optional<ChannelEvent> StreamDriverChannel::next(std::chrono::milliseconds 
   }
 }
 
-Fd connect_stream(const std::string& endpoint) {
+Fd connect_stream(const std::string& endpoint, const std::string& who, int* error) {
   std::string host, port;
   if (!split_endpoint(endpoint, host, port))
     throw TransportError(fmt::format("{}: not a tcp+stream://HOST:PORT endpoint", endpoint));
+  auto fail = [&](int err, const char* text) {
+    if (error) {
+      *error = err;
+      return Fd();
+    }
+    throw TransportError(fmt::format("cannot reach {} at {}: {}", who, endpoint, text));
+  };
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV;
   addrinfo* found = nullptr;
   if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0)
-    throw TransportError(
-        fmt::format("cannot reach the driver at {}: {}", endpoint, ::gai_strerror(rc)));
+    return fail(EHOSTUNREACH, ::gai_strerror(rc));
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(found, &::freeaddrinfo);
   Fd fd(::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd)
-    throw TransportError(
-        fmt::format("cannot reach the driver at {}: {}", endpoint, std::strerror(errno)));
+  if (!fd) return fail(errno, std::strerror(errno));
   tune_socket(fd.get());
   int err = 0;
   if (::connect(fd.get(), found->ai_addr, found->ai_addrlen) != 0) {
@@ -309,9 +324,7 @@ Fd connect_stream(const std::string& endpoint) {
       }
     }
   }
-  if (err != 0)
-    throw TransportError(
-        fmt::format("cannot reach the driver at {}: {}", endpoint, std::strerror(err)));
+  if (err != 0) return fail(err, std::strerror(err));
   return fd;
 }
 
