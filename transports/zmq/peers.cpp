@@ -124,15 +124,8 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
                                        std::strerror(errno)));
     }
     path_ = path;
-    epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
-    if (!epoll_)
-      throw TransportError(
-          fmt::format("cannot create an epoll instance for calls from other "
-                      "workers: {}",
-                      std::strerror(errno)));
-    epoll_watch(epoll_.get(), listener_.get(), tag(0, kListener));
     endpoint_ = endpoint;
-    flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
+    start_polling();
     return;
   }
   if (endpoint.starts_with(kStreamScheme)) {
@@ -141,13 +134,7 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
     listener_ =
         listen_stream(rest.substr(0, colon), "the socket for calls from other workers", endpoint_);
     stream_ = true;
-    epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
-    if (!epoll_)
-      throw TransportError(
-          fmt::format("cannot create an epoll instance for calls from other workers: {}",
-                      std::strerror(errno)));
-    epoll_watch(epoll_.get(), listener_.get(), tag(0, kListener));
-    flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
+    start_polling();
     return;
   }
   router_ = std::make_unique<zmq::socket_t>(context, zmq::socket_type::router);
@@ -167,6 +154,16 @@ ServeSocket::ServeSocket(zmq::context_t& context, const std::string& endpoint,
                                      endpoint, e.what()));
   }
   endpoint_ = router_->get(zmq::sockopt::last_endpoint);
+}
+
+// Local and stream mode: one epoll descriptor over the listener and, later, every caller.
+void ServeSocket::start_polling() {
+  epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_)
+    throw TransportError(fmt::format(
+        "cannot create an epoll instance for calls from other workers: {}", std::strerror(errno)));
+  epoll_watch(epoll_.get(), listener_.get(), tag(0, kListener));
+  flusher_ = std::make_unique<Flusher>([this] { return flush_waiting(); });
 }
 
 ServeSocket::~ServeSocket() {

@@ -86,6 +86,7 @@ class ServeSocket {
   struct Caller;
   // What one wait on the epoll descriptor found: callers greeted, requests read into ready_.
   void poll_local(std::chrono::milliseconds timeout);
+  void start_polling();
   void accept_greetings();
   void accept_streams();
   void greet(std::uint64_t key);
