@@ -239,6 +239,60 @@ TEST_CASE("decode_message names what is wrong with the frames", "[zmq]") {
     CHECK_THAT(error_of(std::move(f)),
                Catch::StartsWith("malformed message: its body is not msgpack"));
   }
+  SECTION("fields in any order, keys of no field passed over, a repeated field counts once") {
+    // msgpack written by hand: {"serve": "", "later": [1, [2, {"a": 3}]], "pid": 7, "name":
+    // "g:0", 5: 6, "group": "g", "rank": 1, "host": "h", "pid": 8}
+    std::string body = "\x89";
+    auto str = [&](std::string_view s) {
+      body += static_cast<char>(0xa0 | s.size());
+      body += s;
+    };
+    str("serve");
+    str("");
+    str("later");
+    body += "\x92\x01\x92\x02\x81";
+    str("a");
+    body += "\x03";
+    str("pid");
+    body += "\x07";
+    str("name");
+    str("g:0");
+    body += "\x05\x06";
+    str("group");
+    str("g");
+    str("rank");
+    body += "\x01";
+    str("host");
+    str("h");
+    str("pid");
+    body += "\x08";
+    std::string bytes(static_cast<const char*>(frame0(MsgType::hello, Value()).data()), 16);
+    bytes += body;
+    Frames f;
+    f.emplace_back(bytes.data(), bytes.size());
+    const Message m = decode_message(std::move(f));
+    const auto* hello = m.get<proto::Hello>();
+    REQUIRE(hello);
+    CHECK(hello->name == "g:0");
+    CHECK(hello->group == "g");
+    CHECK(hello->rank == 1);
+    CHECK(hello->pid == 7);
+    CHECK(hello->host == "h");
+  }
+  SECTION("a list that claims more entries than the message has bytes is not msgpack") {
+    std::string bytes(static_cast<const char*>(frame0(MsgType::reply, Value()).data()), 16);
+    bytes += "\x81\xa5value\xdd\xff\xff\xff\xff\x01";
+    Frames f;
+    f.emplace_back(bytes.data(), bytes.size());
+    CHECK(error_of(std::move(f)) ==
+          "malformed message: its body is not msgpack (a list or map of 4294967295 entries at "
+          "offset 7 runs past the end)");
+    Frames cut = reply_frames();
+    std::string prefix(static_cast<const char*>(cut[0].data()), cut[0].size() - 1);
+    cut[0] = zmq::message_t(prefix.data(), prefix.size());
+    CHECK_THAT(error_of(std::move(cut)),
+               Catch::StartsWith("malformed message: its body is not msgpack (truncated at"));
+  }
   SECTION("a tensor table that is not [tensors, released]") {
     Frames f;
     f.push_back(frame0(MsgType::shutdown, Value::map(), Value::list({Value::list()})));

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "transports/zmq/protocol.hpp"
+#include "transports/zmq/reader.hpp"
 
 // Between the framing (message.cpp) and the message structs (protocol.cpp): how a body is
 // written into and read out of msgpack. Internal to transports/zmq.
@@ -19,11 +20,10 @@ void pack_body(msgpack::sbuffer& buf, const proto::Cluster& body, std::vector<Te
 bool is_control(MsgType t);
 bool is_cluster(MsgType t);
 
-// The body of a message of type `t` (a control or a cluster type, as is_control/is_cluster say)
-// whose tensor references index `tensors`. Throws ProtocolError naming the field that is wrong.
-proto::Control unpack_control(MsgType t, const msgpack::object& body,
-                              const std::vector<Tensor>& tensors);
-proto::Cluster unpack_cluster(MsgType t, const msgpack::object& body,
-                              const std::vector<Tensor>& tensors);
+// Decodes the body `r` is at, of type `t` (a control or a cluster type, as is_control/is_cluster
+// say), into `out`; its tensor references index `tensors`. The body's bytes are msgpack (checked
+// by the framing with Reader::skip). Throws ProtocolError naming the field that is wrong.
+void unpack_body(MsgType t, Reader& r, const std::vector<Tensor>& tensors, proto::Control& out);
+void unpack_body(MsgType t, Reader& r, const std::vector<Tensor>& tensors, proto::Cluster& out);
 
 }  // namespace twinkle::transport::detail

@@ -107,43 +107,105 @@ Frames frame(MsgType type, std::uint64_t id, Pack&& pack, ShmChannel* channel) {
   return frames;
 }
 
-// Strings and bytes stay in the frame while it is decoded: no copy into the parser's zone.
-bool reference_all(msgpack::type::object_type, std::size_t, void*) { return true; }
+using detail::Item;
+using detail::NotMsgpack;
+using detail::Reader;
 
-msgpack::object unpack_at(msgpack::zone& zone, const char* data, std::size_t size,
-                          std::size_t& offset, const char* what) {
+struct Unframed {
+  MsgType type;
+  std::uint64_t id;
+  std::size_t body_end;  // offset in frame 0 where the body ends
+  std::vector<Tensor> tensors;
+  // Keep frame 0 while the body is decoded: shared with the tensors that view the others when
+  // there are tensor frames, else the frames themselves.
+  std::shared_ptr<Frames> shared;
+  Frames frames;
+  const zmq::message_t& frame0() const { return shared ? (*shared)[0] : frames[0]; }
+};
+
+std::int64_t checked_int(const Item& it, const char* what, std::size_t i) {
+  if (it.kind == Item::integer && !it.flag &&
+      it.u <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    return static_cast<std::int64_t>(it.u);
+  if (it.kind == Item::integer && it.flag) return it.i;
+  throw ProtocolError(fmt::format("malformed message: tensor {} has a bad {}", i, what));
+}
+
+// Steps over the value at `r`, which must be msgpack.
+void check_msgpack(Reader& r, const char* what) {
   try {
-    // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
-    const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
-    bool referenced = false;
-    return msgpack::unpack(zone, data, size, offset, referenced, &reference_all, nullptr,
-                           msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 8));
-  } catch (const std::exception& e) {
+    r.skip();
+  } catch (const NotMsgpack& e) {
     throw ProtocolError(
         fmt::format("malformed message: its {} is not msgpack ({})", what, e.what()));
   }
 }
 
-struct Unframed {
-  MsgType type;
-  std::uint64_t id;
-  msgpack::object body;  // in the caller's zone; strings in it point into frame 0
-  std::vector<Tensor> tensors;
-  // Keep frame 0 while the body is converted: shared with the tensors that view the others when
-  // there are tensor frames, else the frames themselves.
-  std::shared_ptr<Frames> shared;
-  Frames frames;
-};
-
-std::int64_t checked_int(const msgpack::object& o, const char* what, std::size_t i) {
-  if (o.type == msgpack::type::POSITIVE_INTEGER &&
-      o.via.u64 <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-    return static_cast<std::int64_t>(o.via.u64);
-  if (o.type == msgpack::type::NEGATIVE_INTEGER) return o.via.i64;
-  throw ProtocolError(fmt::format("malformed message: tensor {} has a bad {}", i, what));
+// The tensor table's entries (`n` of them at `r`) as tensors viewing frames 1..n or mapped from
+// shared memory.
+void read_tensors(Reader& r, std::size_t n, Frames& owned, Unframed& u, ShmChannel* channel) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const Item d = r.next();
+    if (d.kind != Item::array || (d.size != 2 && d.size != 5)) {
+      throw ProtocolError(
+          fmt::format("malformed message: tensor {} is not [dtype, shape, ...]", i));
+    }
+    const Item dtype_item = r.next();
+    const Item s = r.next();
+    if (s.kind != Item::array) {
+      throw ProtocolError(
+          fmt::format("malformed message: tensor {} is not [dtype, shape, ...]", i));
+    }
+    const std::int64_t dtype = checked_int(dtype_item, "dtype", i);
+    if (dtype < 0 || dtype > std::numeric_limits<std::int32_t>::max() ||
+        !dtype_known(static_cast<std::int32_t>(dtype)))
+      throw ProtocolError(fmt::format("malformed message: tensor {} has dtype {}", i, dtype));
+    const DType dt = static_cast<DType>(dtype);
+    std::vector<std::int64_t> shape;
+    shape.reserve(s.size);
+    std::uint64_t numel = 1;
+    for (std::uint32_t k = 0; k < s.size; ++k) {
+      const std::int64_t x = checked_int(r.next(), "dimension", i);
+      if (x < 0)
+        throw ProtocolError(
+            fmt::format("malformed message: tensor {} has a negative dimension", i));
+      // No product may wrap: a shape whose bytes exceed what a process can address is refused.
+      if (x != 0 && numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(dt) /
+                                static_cast<std::uint64_t>(x))
+        throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
+      numel *= static_cast<std::uint64_t>(x);
+      shape.push_back(x);
+    }
+    const std::uint64_t nbytes64 = numel * dtype_size(dt);
+    if (nbytes64 > std::numeric_limits<std::size_t>::max() / 2)
+      throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
+    const auto nbytes = static_cast<std::size_t>(nbytes64);
+    if (d.size == 5) {
+      if (!channel)
+        throw ProtocolError("malformed message: a shared-memory tensor without a channel");
+      const auto token = static_cast<std::uint64_t>(checked_int(r.next(), "token", i));
+      const auto at = static_cast<std::size_t>(checked_int(r.next(), "offset", i));
+      const auto pool = static_cast<std::uint64_t>(checked_int(r.next(), "pool id", i));
+      std::shared_ptr<ShmSegment> seg;
+      try {
+        seg = channel->map(channel->receive(token), at, nbytes, pool);
+      } catch (const TransportError& e) {
+        throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
+      }
+      u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
+      continue;
+    }
+    auto& fr = owned[1 + i];
+    try {
+      u.tensors.push_back(Tensor::view(dt, shape, fr.data(), fr.size(),
+                                       std::shared_ptr<const void>(u.shared, fr.data())));
+    } catch (const ValueError& e) {
+      throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
+    }
+  }
 }
 
-Unframed unframe(Frames&& frames, ShmChannel* channel, msgpack::zone& zone) {
+Unframed unframe(Frames&& frames, ShmChannel* channel) {
   if (frames.empty()) throw ProtocolError("malformed message: no frames");
   const zmq::message_t& f0 = frames[0];
   if (f0.size() < kHeaderSize || std::memcmp(f0.data(), kMagic, 4) != 0) {
@@ -175,106 +237,60 @@ Unframed unframe(Frames&& frames, ShmChannel* channel, msgpack::zone& zone) {
   Frames& owned = u.shared ? *u.shared : u.frames;
   const char* data = static_cast<const char*>(owned[0].data());
   const std::size_t size = owned[0].size();
-  std::size_t offset = kHeaderSize;
-  if (offset == size) throw ProtocolError("malformed message: no body after the header");
-  u.body = unpack_at(zone, data, size, offset, "body");
-  if (offset == size) {
+  if (size == kHeaderSize) throw ProtocolError("malformed message: no body after the header");
+  Reader body(data + kHeaderSize, size - kHeaderSize);
+  check_msgpack(body, "body");
+  u.body_end = kHeaderSize + body.offset();
+  if (body.done()) {
     if (n_tensors != 0) {
       throw ProtocolError(
           fmt::format("malformed message: {} tensor frame(s) and no tensor table", n_tensors));
     }
     return u;
   }
-  const msgpack::object t = unpack_at(zone, data, size, offset, "tensor table");
-  if (offset != size) throw ProtocolError("malformed message: trailing bytes after the table");
-  if (t.type != msgpack::type::ARRAY || t.via.array.size != 2 ||
-      t.via.array.ptr[0].type != msgpack::type::ARRAY ||
-      t.via.array.ptr[1].type != msgpack::type::ARRAY) {
-    throw ProtocolError("malformed message: the tensor table is not [tensors, released]");
+  Reader table(data + u.body_end, size - u.body_end);
+  check_msgpack(table, "tensor table");
+  if (!table.done()) throw ProtocolError("malformed message: trailing bytes after the table");
+
+  // [[entry...], [released pool id...]]: both lists are looked at before any entry is used.
+  Reader t(data + u.body_end, size - u.body_end);
+  const Item top = t.next();
+  const Item entries = top.kind == Item::array && top.size == 2 ? t.next() : Item{};
+  Reader at_entries = t;
+  if (entries.kind == Item::array) {
+    for (std::uint32_t i = 0; i < entries.size; ++i) t.skip();
   }
-  const msgpack::object& table = t.via.array.ptr[0];
-  if (table.via.array.size != n_tensors) {
+  const Item released = entries.kind == Item::array ? t.next() : Item{};
+  if (released.kind != Item::array)
+    throw ProtocolError("malformed message: the tensor table is not [tensors, released]");
+  if (entries.size != n_tensors) {
     throw ProtocolError(
         fmt::format("malformed message: the tensor table lists {} tensor(s) for {} frame(s)",
-                    table.via.array.size, n_tensors));
+                    entries.size, n_tensors));
   }
-  for (std::size_t i = 0; i < n_tensors; ++i) {
-    const msgpack::object& d = table.via.array.ptr[i];
-    if (d.type != msgpack::type::ARRAY || (d.via.array.size != 2 && d.via.array.size != 5) ||
-        d.via.array.ptr[1].type != msgpack::type::ARRAY) {
-      throw ProtocolError(
-          fmt::format("malformed message: tensor {} is not [dtype, shape, ...]", i));
-    }
-    const std::int64_t dtype = checked_int(d.via.array.ptr[0], "dtype", i);
-    if (dtype < 0 || dtype > std::numeric_limits<std::int32_t>::max() ||
-        !dtype_known(static_cast<std::int32_t>(dtype)))
-      throw ProtocolError(fmt::format("malformed message: tensor {} has dtype {}", i, dtype));
-    const DType dt = static_cast<DType>(dtype);
-    std::vector<std::int64_t> shape;
-    const msgpack::object& s = d.via.array.ptr[1];
-    std::uint64_t numel = 1;
-    for (std::uint32_t k = 0; k < s.via.array.size; ++k) {
-      const std::int64_t x = checked_int(s.via.array.ptr[k], "dimension", i);
-      if (x < 0)
-        throw ProtocolError(
-            fmt::format("malformed message: tensor {} has a negative dimension", i));
-      // No product may wrap: a shape whose bytes exceed what a process can address is refused.
-      if (x != 0 && numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(dt) /
-                                static_cast<std::uint64_t>(x))
-        throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
-      numel *= static_cast<std::uint64_t>(x);
-      shape.push_back(x);
-    }
-    const std::uint64_t nbytes64 = numel * dtype_size(dt);
-    if (nbytes64 > std::numeric_limits<std::size_t>::max() / 2)
-      throw ProtocolError(fmt::format("malformed message: tensor {} has a shape too large", i));
-    const auto nbytes = static_cast<std::size_t>(nbytes64);
-    if (d.via.array.size == 5) {
-      if (!channel)
-        throw ProtocolError("malformed message: a shared-memory tensor without a channel");
-      const auto token = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[2], "token", i));
-      const auto at = static_cast<std::size_t>(checked_int(d.via.array.ptr[3], "offset", i));
-      const auto pool = static_cast<std::uint64_t>(checked_int(d.via.array.ptr[4], "pool id", i));
-      std::shared_ptr<ShmSegment> seg;
-      try {
-        seg = channel->map(channel->receive(token), at, nbytes, pool);
-      } catch (const TransportError& e) {
-        throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
-      }
-      u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
-      continue;
-    }
-    auto& fr = owned[1 + i];
-    try {
-      u.tensors.push_back(Tensor::view(dt, shape, fr.data(), fr.size(),
-                                       std::shared_ptr<const void>(u.shared, fr.data())));
-    } catch (const ValueError& e) {
-      throw ProtocolError(fmt::format("malformed message: tensor {}: {}", i, e.what()));
-    }
-  }
+  read_tensors(at_entries, n_tensors, owned, u, channel);
   if (channel && channel->pool()) {
-    const msgpack::object& rel = t.via.array.ptr[1];
-    for (std::uint32_t k = 0; k < rel.via.array.size; ++k) {
+    for (std::uint32_t k = 0; k < released.size; ++k) {
       channel->pool()->released(
-          static_cast<std::uint64_t>(checked_int(rel.via.array.ptr[k], "released id", k)));
+          static_cast<std::uint64_t>(checked_int(t.next(), "released id", k)));
     }
   }
   return u;
 }
 
-template <class Body, class Unpack>
-Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType),
-                         Unpack&& unpack_body) {
-  twinkle::detail::ScratchZone zone;
-  Unframed u = unframe(std::move(frames), channel, zone.get());
+template <class Body>
+Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType)) {
+  Unframed u = unframe(std::move(frames), channel);
   if (!family(u.type)) {
     throw ProtocolError(fmt::format(
         "malformed message: a {} message is not expected on this socket", to_string(u.type)));
   }
   Envelope<Body> m;
   m.id = u.id;
+  const zmq::message_t& f0 = u.frame0();
+  Reader body(static_cast<const char*>(f0.data()) + kHeaderSize, u.body_end - kHeaderSize);
   try {
-    m.body = unpack_body(u.type, u.body, u.tensors);
+    detail::unpack_body(u.type, body, u.tensors, m.body);
   } catch (const ProtocolError& e) {
     throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   }
@@ -298,13 +314,11 @@ Frames encode_message(const ClusterMessage& m) {
 }
 
 Message decode_message(Frames&& frames, ShmChannel* channel) {
-  return decode_as<proto::Control>(std::move(frames), channel, &detail::is_control,
-                                   &detail::unpack_control);
+  return decode_as<proto::Control>(std::move(frames), channel, &detail::is_control);
 }
 
 ClusterMessage decode_cluster_message(Frames&& frames) {
-  return decode_as<proto::Cluster>(std::move(frames), nullptr, &detail::is_cluster,
-                                   &detail::unpack_cluster);
+  return decode_as<proto::Cluster>(std::move(frames), nullptr, &detail::is_cluster);
 }
 
 void send_frames(zmq::socket_t& socket, Frames&& frames, const std::string* identity) {

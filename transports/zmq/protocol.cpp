@@ -225,179 +225,179 @@ void pack(Out& o, const S& s) {
       fields);
 }
 // ----- decoding -----------------------------------------------------------------------------
+// Straight from the bytes into the struct (reader.hpp): no msgpack objects in between.
 
-const char* kind_of(const msgpack::object& o) {
-  switch (o.type) {
-    case msgpack::type::NIL: return "nil";
-    case msgpack::type::BOOLEAN: return "a bool";
-    case msgpack::type::POSITIVE_INTEGER:
-    case msgpack::type::NEGATIVE_INTEGER: return "an integer";
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64: return "a float";
-    case msgpack::type::STR: return "a string";
-    case msgpack::type::BIN: return "bytes";
-    case msgpack::type::ARRAY: return "a list";
-    case msgpack::type::MAP: return "a map";
-    case msgpack::type::EXT: return "an extension";
-  }
-  return "something unknown";
-}
+using detail::Item;
+using detail::Reader;
 
-[[noreturn]] void wrong(const msgpack::object& o, const char* want) {
-  throw ProtocolError(fmt::format("expected {}, got {}", want, kind_of(o)));
+[[noreturn]] void wrong(const Item& it, const char* want) {
+  throw ProtocolError(fmt::format("expected {}, got {}", want, it.kind_name()));
 }
 
 struct In {
   const std::vector<Tensor>& tensors;
 };
 
-void unpack(const msgpack::object& o, std::string& s, In&) {
-  if (o.type != msgpack::type::STR) wrong(o, "a string");
-  s.assign(o.via.str.ptr, o.via.str.size);
+void unpack(Reader& r, std::string& s, In&) {
+  const Item it = r.next();
+  if (it.kind != Item::str) wrong(it, "a string");
+  s.assign(it.data, it.size);
 }
-void unpack(const msgpack::object& o, bool& b, In&) {
-  if (o.type != msgpack::type::BOOLEAN) wrong(o, "a bool");
-  b = o.via.boolean;
+void unpack(Reader& r, bool& b, In&) {
+  const Item it = r.next();
+  if (it.kind != Item::boolean) wrong(it, "a bool");
+  b = it.flag;
 }
 template <class I>
-requires(std::is_integral_v<I> && !std::is_same_v<I, bool>) void unpack(const msgpack::object& o,
-                                                                        I& v, In&) {
-  if (o.type == msgpack::type::POSITIVE_INTEGER) {
-    if (o.via.u64 > static_cast<std::uint64_t>(std::numeric_limits<I>::max()))
-      throw ProtocolError(fmt::format("integer {} is out of range", o.via.u64));
-    v = static_cast<I>(o.via.u64);
-  } else if (o.type == msgpack::type::NEGATIVE_INTEGER) {
-    if constexpr (std::is_unsigned_v<I>) {
-      throw ProtocolError(fmt::format("integer {} is negative", o.via.i64));
-    } else {
-      if (o.via.i64 < static_cast<std::int64_t>(std::numeric_limits<I>::min()))
-        throw ProtocolError(fmt::format("integer {} is out of range", o.via.i64));
-      v = static_cast<I>(o.via.i64);
-    }
+requires(std::is_integral_v<I> && !std::is_same_v<I, bool>) void unpack(Reader& r, I& v, In&) {
+  const Item it = r.next();
+  if (it.kind != Item::integer) wrong(it, "an integer");
+  if (!it.flag) {
+    if (it.u > static_cast<std::uint64_t>(std::numeric_limits<I>::max()))
+      throw ProtocolError(fmt::format("integer {} is out of range", it.u));
+    v = static_cast<I>(it.u);
+  } else if constexpr (std::is_unsigned_v<I>) {
+    throw ProtocolError(fmt::format("integer {} is negative", it.i));
   } else {
-    wrong(o, "an integer");
+    if (it.i < static_cast<std::int64_t>(std::numeric_limits<I>::min()))
+      throw ProtocolError(fmt::format("integer {} is out of range", it.i));
+    v = static_cast<I>(it.i);
   }
 }
-void unpack(const msgpack::object& o, double& d, In&) {
-  switch (o.type) {
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64: d = o.via.f64; break;
-    case msgpack::type::POSITIVE_INTEGER: d = static_cast<double>(o.via.u64); break;
-    case msgpack::type::NEGATIVE_INTEGER: d = static_cast<double>(o.via.i64); break;
-    default: wrong(o, "a number");
+void unpack(Reader& r, double& d, In&) {
+  const Item it = r.next();
+  switch (it.kind) {
+    case Item::float32:
+    case Item::float64: d = it.f; break;
+    case Item::integer: d = it.flag ? static_cast<double>(it.i) : static_cast<double>(it.u); break;
+    default: wrong(it, "a number");
   }
 }
-void unpack(const msgpack::object& o, Bytes& b, In&) {
-  if (o.type != msgpack::type::BIN) wrong(o, "bytes");
-  const auto* p = reinterpret_cast<const std::uint8_t*>(o.via.bin.ptr);
-  b.data.assign(p, p + o.via.bin.size);
+void unpack(Reader& r, Bytes& b, In&) {
+  const Item it = r.next();
+  if (it.kind != Item::bin) wrong(it, "bytes");
+  const auto* p = reinterpret_cast<const std::uint8_t*>(it.data);
+  b.data.assign(p, p + it.size);
 }
-std::uint32_t tensor_index(const msgpack::object& o, const In& in) {
-  if (o.type != msgpack::type::EXT || o.via.ext.type() != TWK_MSGPACK_EXT_TENSOR ||
-      o.via.ext.size != 4)
-    wrong(o, "a tensor");
-  const auto* p = reinterpret_cast<const unsigned char*>(o.via.ext.data());
+void unpack(Reader& r, Tensor& t, In& in) {
+  const Item it = r.next();
+  if (it.kind != Item::ext || it.ext_type != TWK_MSGPACK_EXT_TENSOR || it.size != 4)
+    wrong(it, "a tensor");
+  const auto* p = reinterpret_cast<const unsigned char*>(it.data);
   const std::uint32_t index = (std::uint32_t(p[0]) << 24) | (std::uint32_t(p[1]) << 16) |
                               (std::uint32_t(p[2]) << 8) | std::uint32_t(p[3]);
   if (index >= in.tensors.size())
     throw ProtocolError(
         fmt::format("refers to tensor {} of the message's {}", index, in.tensors.size()));
-  return index;
+  t = in.tensors[index];
 }
-void unpack(const msgpack::object& o, Tensor& t, In& in) { t = in.tensors[tensor_index(o, in)]; }
-void unpack(const msgpack::object& o, Value& v, In& in) {
+// Any value, inline: the rare field of this type is decoded as a user value is.
+void unpack(Reader& r, Value& v, In& in) {
+  const char* start = r.position();
+  r.skip();
   try {
-    v = twinkle::detail::unpack_value(o, in.tensors, 0);
+    v = twinkle::decode(start, static_cast<std::size_t>(r.position() - start), in.tensors);
   } catch (const ValueError& e) {
     throw ProtocolError(e.what());
   }
 }
-void unpack(const msgpack::object& o, EncodedValue& e, In& in) {
-  if (o.type != msgpack::type::ARRAY || o.via.array.size != 3 ||
-      o.via.array.ptr[0].type != msgpack::type::BIN)
-    wrong(o, "a value as [bytes, first tensor, tensor count]");
-  const msgpack::object& bytes = o.via.array.ptr[0];
+void unpack(Reader& r, EncodedValue& e, In& in) {
+  const Item list = r.next();
+  if (list.kind != Item::array || list.size != 3)
+    wrong(list, "a value as [bytes, first tensor, tensor count]");
+  const Item bytes = r.next();
+  if (bytes.kind != Item::bin) wrong(bytes, "a value as [bytes, first tensor, tensor count]");
   std::uint64_t first = 0, count = 0;
-  unpack(o.via.array.ptr[1], first, in);
-  unpack(o.via.array.ptr[2], count, in);
+  unpack(r, first, in);
+  unpack(r, count, in);
   if (first > in.tensors.size() || count > in.tensors.size() - first)
     throw ProtocolError(fmt::format("a value refers to tensors {} to {} of the message's {}", first,
                                     first + count, in.tensors.size()));
-  e.msgpack.assign(bytes.via.bin.ptr, bytes.via.bin.size);
+  e.msgpack.assign(bytes.data, bytes.size);
   e.tensors.assign(in.tensors.begin() + static_cast<std::ptrdiff_t>(first),
                    in.tensors.begin() + static_cast<std::ptrdiff_t>(first + count));
 }
-void unpack(const msgpack::object& o, std::map<std::string, std::string>& m, In& in) {
-  if (o.type != msgpack::type::MAP) wrong(o, "a map of strings");
+void unpack(Reader& r, std::map<std::string, std::string>& m, In& in) {
+  const Item map = r.next();
+  if (map.kind != Item::map) wrong(map, "a map of strings");
   m.clear();
-  for (std::uint32_t i = 0; i < o.via.map.size; ++i) {
+  for (std::uint32_t i = 0; i < map.size; ++i) {
     std::string k, v;
-    unpack(o.via.map.ptr[i].key, k, in);
-    unpack(o.via.map.ptr[i].val, v, in);
+    unpack(r, k, in);
+    unpack(r, v, in);
     m.insert_or_assign(std::move(k), std::move(v));
   }
 }
 template <class T>
-void unpack(const msgpack::object& o, std::vector<T>& list, In& in);
+void unpack(Reader& r, std::vector<T>& list, In& in);
 template <Struct S>
-void unpack(const msgpack::object& o, S& s, In& in);
+void unpack(Reader& r, S& s, In& in);
 
 template <class T>
-void unpack(const msgpack::object& o, std::vector<T>& list, In& in) {
-  if (o.type != msgpack::type::ARRAY) wrong(o, "a list");
+void unpack(Reader& r, std::vector<T>& list, In& in) {
+  const Item head = r.next();
+  if (head.kind != Item::array) wrong(head, "a list");
   list.clear();
-  list.resize(o.via.array.size);
-  for (std::uint32_t i = 0; i < o.via.array.size; ++i) {
+  // Grown as the items come: a count is only as good as the items that follow it.
+  list.reserve(std::min<std::uint32_t>(head.size, 64));
+  for (std::uint32_t i = 0; i < head.size; ++i) {
     try {
-      unpack(o.via.array.ptr[i], list[i], in);
+      unpack(r, list.emplace_back(), in);
     } catch (const ProtocolError& e) {
       throw ProtocolError(fmt::format("[{}]{}{}", i, e.what()[0] == '[' ? "" : ": ", e.what()));
     }
   }
 }
 
-const msgpack::object* find_key(const msgpack::object& map, std::string_view key) {
-  for (std::uint32_t i = 0; i < map.via.map.size; ++i) {
-    const auto& k = map.via.map.ptr[i].key;
-    if (k.type == msgpack::type::STR && std::string_view(k.via.str.ptr, k.via.str.size) == key)
-      return &map.via.map.ptr[i].val;
+// Field I of `s`, when `key` is its name and it was not seen before: decoded, and true.
+template <std::size_t I, Struct S>
+bool unpack_field(Reader& r, S& s, In& in, std::string_view key, std::uint64_t& seen) {
+  constexpr auto f = std::get<I>(S::fields());
+  if (key != f.name || (seen & (std::uint64_t{1} << I)) != 0) return false;
+  seen |= std::uint64_t{1} << I;
+  auto& v = s.*(f.member);
+  try {
+    if constexpr (is_optional<std::decay_t<decltype(v)>>::value) {
+      unpack(r, v.emplace(), in);
+    } else {
+      unpack(r, v, in);
+    }
+  } catch (const ProtocolError& e) {
+    throw ProtocolError(fmt::format("{}{}{}", f.name, e.what()[0] == '[' ? "" : ": ", e.what()));
   }
-  return nullptr;
+  return true;
 }
 
+// The fields in any order; a key that names no field is passed over, one given twice counts the
+// first time.
 template <Struct S>
-void unpack(const msgpack::object& o, S& s, In& in) {
-  if (o.type != msgpack::type::MAP) wrong(o, "a map of fields");
-  std::apply(
-      [&](const auto&... f) {
-        (
-            [&] {
-              auto& v = s.*(f.member);
-              const msgpack::object* item = find_key(o, f.name);
-              using V = std::decay_t<decltype(v)>;
-              if (!item) {
-                if constexpr (is_optional<V>::value) {
-                  v.reset();
-                  return;
-                } else {
-                  throw ProtocolError(fmt::format("missing field \"{}\"", f.name));
-                }
-              }
-              try {
-                if constexpr (is_optional<V>::value) {
-                  v.emplace();
-                  unpack(*item, *v, in);
-                } else {
-                  unpack(*item, v, in);
-                }
-              } catch (const ProtocolError& e) {
-                throw ProtocolError(
-                    fmt::format("{}{}{}", f.name, e.what()[0] == '[' ? "" : ": ", e.what()));
-              }
-            }(),
-            ...);
-      },
-      S::fields());
+void unpack(Reader& r, S& s, In& in) {
+  const Item map = r.next();
+  if (map.kind != Item::map) wrong(map, "a map of fields");
+  constexpr std::size_t n = std::tuple_size_v<decltype(S::fields())>;
+  static_assert(n <= 64, "a message struct has at most 64 fields");
+  std::uint64_t seen = 0;
+  for (std::uint32_t k = 0; k < map.size; ++k) {
+    const Item key = r.next();
+    const bool taken = key.kind == Item::str&& [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return (unpack_field<I>(r, s, in, key.text(), seen) || ...);
+    }
+    (std::make_index_sequence<n>());
+    if (!taken) r.skip();
+  }
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (
+        [&] {
+          if ((seen & (std::uint64_t{1} << I)) != 0) return;
+          constexpr auto f = std::get<I>(S::fields());
+          if constexpr (is_optional<std::decay_t<decltype(s.*(f.member))>>::value)
+            (s.*(f.member)).reset();
+          else
+            throw ProtocolError(fmt::format("missing field \"{}\"", f.name));
+        }(),
+        ...);
+  }
+  (std::make_index_sequence<n>());
 }
 
 // ----- as values ---------------------------------------------------------------------------
@@ -503,20 +503,16 @@ void describe_all(std::vector<std::string>& out, std::index_sequence<I...>) {
       ...);
 }
 
+// Decoded in place: the struct is built in the variant that the message carries.
 template <class Variant, std::size_t... I>
-Variant unpack_variant(MsgType t, const msgpack::object& body, In& in, std::index_sequence<I...>) {
-  std::optional<Variant> out;
-  (
-      [&] {
-        using T = std::variant_alternative_t<I, Variant>;
-        if (out || T::kType != t) return;
-        T m;
-        unpack(body, m, in);
-        out.emplace(std::move(m));
-      }(),
-      ...);
-  if (!out) throw ProtocolError(fmt::format("a {} message is not expected here", to_string(t)));
-  return std::move(*out);
+void unpack_variant(MsgType t, Reader& r, In& in, Variant& out, std::index_sequence<I...>) {
+  const bool known = ([&] {
+    using T = std::variant_alternative_t<I, Variant>;
+    if (T::kType != t) return false;
+    unpack(r, out.template emplace<I>(), in);
+    return true;
+  }() || ...);
+  if (!known) throw ProtocolError(fmt::format("a {} message is not expected here", to_string(t)));
 }
 
 template <class Variant, std::size_t... I>
@@ -568,18 +564,14 @@ bool is_cluster(MsgType t) {
                                   std::make_index_sequence<std::variant_size_v<proto::Cluster>>());
 }
 
-proto::Control unpack_control(MsgType t, const msgpack::object& body,
-                              const std::vector<Tensor>& tensors) {
+void unpack_body(MsgType t, Reader& r, const std::vector<Tensor>& tensors, proto::Control& out) {
   In in{tensors};
-  return unpack_variant<proto::Control>(
-      t, body, in, std::make_index_sequence<std::variant_size_v<proto::Control>>());
+  unpack_variant(t, r, in, out, std::make_index_sequence<std::variant_size_v<proto::Control>>());
 }
 
-proto::Cluster unpack_cluster(MsgType t, const msgpack::object& body,
-                              const std::vector<Tensor>& tensors) {
+void unpack_body(MsgType t, Reader& r, const std::vector<Tensor>& tensors, proto::Cluster& out) {
   In in{tensors};
-  return unpack_variant<proto::Cluster>(
-      t, body, in, std::make_index_sequence<std::variant_size_v<proto::Cluster>>());
+  unpack_variant(t, r, in, out, std::make_index_sequence<std::variant_size_v<proto::Cluster>>());
 }
 
 }  // namespace detail
