@@ -5,11 +5,15 @@
 #include <vector>
 
 #include "transports/zmq/protocol.hpp"
-#include "transports/zmq/reader.hpp"
+#include "twinkle/msgpack_reader.hpp"
 
 // Between the framing (message.cpp) and the message structs (protocol.cpp): how a body is
 // written into and read out of msgpack. Internal to transports/zmq.
 namespace twinkle::transport::detail {
+
+using twinkle::detail::Item;
+using twinkle::detail::NotMsgpack;
+using twinkle::detail::Reader;
 
 using Packer = msgpack::packer<msgpack::sbuffer>;
 

@@ -23,6 +23,7 @@
 
 #include <msgpack.hpp>
 
+#include "twinkle/msgpack_reader.hpp"
 #include "twinkle/plugin.h"
 
 namespace twinkle {
@@ -585,50 +586,48 @@ inline void pack_value(msgpack::sbuffer& buf, msgpack::packer<msgpack::sbuffer>&
   }
 }
 
-inline Value unpack_value(const msgpack::object& o, const std::vector<Tensor>& tensors, int depth) {
+// The value at `r`, whose tensor extensions refer to `tensors`.
+inline Value read_value(Reader& r, const std::vector<Tensor>& tensors, int depth) {
   if (depth > kMaxValueDepth) {
     throw ValueError("value nests deeper than " + std::to_string(kMaxValueDepth) +
                      " levels of lists and maps");
   }
-  switch (o.type) {
-    case msgpack::type::NIL: return Value();
-    case msgpack::type::BOOLEAN: return Value(o.via.boolean);
-    case msgpack::type::POSITIVE_INTEGER:
-      if (o.via.u64 > static_cast<std::uint64_t>(INT64_MAX))
-        throw ValueError("integer exceeds int64");
-      return Value(static_cast<std::int64_t>(o.via.u64));
-    case msgpack::type::NEGATIVE_INTEGER: return Value(o.via.i64);
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64: return Value(o.via.f64);
-    case msgpack::type::STR: return Value(std::string(o.via.str.ptr, o.via.str.size));
-    case msgpack::type::BIN: {
+  const Item it = r.next();
+  switch (it.kind) {
+    case Item::nil: return Value();
+    case Item::boolean: return Value(it.flag);
+    case Item::integer:
+      if (it.flag) return Value(it.i);
+      if (it.u > static_cast<std::uint64_t>(INT64_MAX)) throw ValueError("integer exceeds int64");
+      return Value(static_cast<std::int64_t>(it.u));
+    case Item::float32:
+    case Item::float64: return Value(it.f);
+    case Item::str: return Value(std::string(it.text()));
+    case Item::bin: {
       Bytes b;
-      b.data.assign(reinterpret_cast<const std::uint8_t*>(o.via.bin.ptr),
-                    reinterpret_cast<const std::uint8_t*>(o.via.bin.ptr) + o.via.bin.size);
+      const auto* p = reinterpret_cast<const std::uint8_t*>(it.data);
+      b.data.assign(p, p + it.size);
       return Value(std::move(b));
     }
-    case msgpack::type::ARRAY: {
+    case Item::array: {
       Value::List l;
-      l.reserve(o.via.array.size);
-      for (std::uint32_t i = 0; i < o.via.array.size; ++i)
-        l.push_back(unpack_value(o.via.array.ptr[i], tensors, depth + 1));
+      l.reserve(std::min<std::uint32_t>(it.size, 64));  // grown as the items come
+      for (std::uint32_t i = 0; i < it.size; ++i) l.push_back(read_value(r, tensors, depth + 1));
       return Value(std::move(l));
     }
-    case msgpack::type::MAP: {
+    case Item::map: {
       Value::Map m;
-      for (std::uint32_t i = 0; i < o.via.map.size; ++i) {
-        const auto& kv = o.via.map.ptr[i];
-        if (kv.key.type != msgpack::type::STR) throw ValueError("map keys must be strings");
-        m.insert_or_assign(std::string(kv.key.via.str.ptr, kv.key.via.str.size),
-                           unpack_value(kv.val, tensors, depth + 1));
+      for (std::uint32_t i = 0; i < it.size; ++i) {
+        const Item key = r.next();
+        if (key.kind != Item::str) throw ValueError("map keys must be strings");
+        m.insert_or_assign(std::string(key.text()), read_value(r, tensors, depth + 1));
       }
       return Value(std::move(m));
     }
-    case msgpack::type::EXT: {
-      if (o.via.ext.type() != TWK_MSGPACK_EXT_TENSOR || o.via.ext.size != 4) {
-        throw ValueError("unknown msgpack extension type " + std::to_string(o.via.ext.type()));
-      }
-      const auto* p = reinterpret_cast<const unsigned char*>(o.via.ext.data());
+    case Item::ext: {
+      if (it.ext_type != TWK_MSGPACK_EXT_TENSOR || it.size != 4)
+        throw ValueError("unknown msgpack extension type " + std::to_string(it.ext_type));
+      const auto* p = reinterpret_cast<const unsigned char*>(it.data);
       const std::uint32_t index = (std::uint32_t(p[0]) << 24) | (std::uint32_t(p[1]) << 16) |
                                   (std::uint32_t(p[2]) << 8) | std::uint32_t(p[3]);
       if (index >= tensors.size()) {
@@ -645,71 +644,30 @@ inline Value unpack_value(const msgpack::object& o, const std::vector<Tensor>& t
 
 inline EncodedValue encode(const Value& v) {
   EncodedValue out;
-  msgpack::sbuffer buf(128);  // not msgpack's 8 KiB: most values are small, and it grows
+  // Packed in the thread's own buffer, kept from one value to the next (not msgpack's 8 KiB to
+  // start with: most values are small); one that grew past 64 KiB is let go.
+  thread_local msgpack::sbuffer buf(128);
+  buf.clear();
   msgpack::packer<msgpack::sbuffer> pk(buf);
   detail::pack_value(buf, pk, v, out.tensors);
   out.msgpack.assign(buf.data(), buf.size());
+  if (buf.size() > 64 * 1024) buf = msgpack::sbuffer(128);
   return out;
 }
 
-namespace detail {
-
-// The zone a decode's msgpack objects live in while they are converted: the thread's own, cleared
-// and reused from one decode to the next (its first chunk stays: a small decode allocates nothing
-// for its objects), or a zone of its own for a decode that starts while the thread's is in use.
-class ScratchZone {
- public:
-  ScratchZone() {
-    if (busy()) {
-      own_ = std::make_unique<msgpack::zone>(kChunk);
-      zone_ = own_.get();
-    } else {
-      busy() = true;
-      zone_ = &shared();
-      zone_->clear();
-    }
-  }
-  ~ScratchZone() {
-    if (!own_) busy() = false;
-  }
-  ScratchZone(const ScratchZone&) = delete;
-  ScratchZone& operator=(const ScratchZone&) = delete;
-  msgpack::zone& get() { return *zone_; }
-
- private:
-  static constexpr std::size_t kChunk = 4096;
-  static msgpack::zone& shared() {
-    thread_local msgpack::zone z(kChunk);
-    return z;
-  }
-  static bool& busy() {
-    thread_local bool b = false;
-    return b;
-  }
-  msgpack::zone* zone_ = nullptr;
-  std::unique_ptr<msgpack::zone> own_;
-};
-
-}  // namespace detail
-
 // Decodes msgpack bytes whose tensor extensions refer to `tensors`. Throws ValueError on malformed
-// input (truncated bytes, trailing bytes, a bad tensor index).
+// input (truncated bytes, trailing bytes, a bad tensor index, nesting deeper than kMaxValueDepth).
+// Read with a cursor (msgpack_reader.hpp): no msgpack objects, no allocation but the value's own.
 inline Value decode(const void* data, std::size_t size, const std::vector<Tensor>& tensors) {
-  std::size_t offset = 0;
-  detail::ScratchZone zone;
-  msgpack::object o;
+  detail::Reader r(static_cast<const char*>(data), size);
+  Value v;
   try {
-    // The limits bound what a hostile sender can make us allocate and how deep the parser nests.
-    // Containers cannot hold more items than the input has bytes.
-    const auto n = static_cast<std::size_t>(std::min<std::size_t>(size, 0xffffffffu));
-    bool referenced = false;
-    o = msgpack::unpack(zone.get(), static_cast<const char*>(data), size, offset, referenced,
-                        nullptr, nullptr, msgpack::unpack_limit(n, n, n, n, n, kMaxValueDepth + 1));
-  } catch (const std::exception& e) {
+    v = detail::read_value(r, tensors, 0);
+  } catch (const detail::NotMsgpack& e) {
     throw ValueError(std::string("malformed value: ") + e.what());
   }
-  if (offset != size) throw ValueError("malformed value: trailing bytes after the value");
-  return detail::unpack_value(o, tensors, 0);
+  if (!r.done()) throw ValueError("malformed value: trailing bytes after the value");
+  return v;
 }
 
 // Decodes a value in its boundary form.
@@ -717,12 +675,13 @@ inline Value decode(const EncodedValue& e) {
   return decode(e.msgpack.data(), e.msgpack.size(), e.tensors);
 }
 
-// A value received across the ABI in its boundary form, not decoded: the msgpack bytes copied,
-// the tensor payloads copied too, unless the sender offers retain/release, in which case they are
-// shared without a copy.
-inline EncodedValue copy_encoded(const twk_value_v1& v) {
-  EncodedValue out;
-  out.msgpack.assign(reinterpret_cast<const char*>(v.msgpack), v.msgpack_size);
+namespace detail {
+
+// The tensors of a value received across the ABI: copied, unless the sender offers
+// retain/release, in which case they are shared without a copy.
+inline std::vector<Tensor> received_tensors(const twk_value_v1& v) {
+  std::vector<Tensor> out;
+  if (v.n_tensors == 0) return out;
   std::shared_ptr<const void> keep;
   if (v.retain && v.release && v.owner) {
     v.retain(v.owner);
@@ -730,6 +689,7 @@ inline EncodedValue copy_encoded(const twk_value_v1& v) {
     keep = std::shared_ptr<const void>(v.owner,
                                        [release](const void* o) { release(const_cast<void*>(o)); });
   }
+  out.reserve(v.n_tensors);
   for (std::uint32_t i = 0; i < v.n_tensors; ++i) {
     const twk_tensor_v1& t = v.tensors[i];
     if (!dtype_known(t.dtype))
@@ -741,12 +701,25 @@ inline EncodedValue copy_encoded(const twk_value_v1& v) {
     Tensor view =
         Tensor::view(static_cast<DType>(t.dtype), shape, const_cast<void*>(t.data), t.nbytes,
                      keep ? keep : std::shared_ptr<const void>(t.data, [](const void*) {}));
-    out.tensors.push_back(keep ? view : view.clone());
+    out.push_back(keep ? view : view.clone());
   }
   return out;
 }
 
-// Decodes a value received across the ABI (copy_encoded, then decode).
-inline Value decode(const twk_value_v1& v) { return decode(copy_encoded(v)); }
+}  // namespace detail
+
+// A value received across the ABI in its boundary form, not decoded: the msgpack bytes copied,
+// the tensors as received_tensors gives them.
+inline EncodedValue copy_encoded(const twk_value_v1& v) {
+  EncodedValue out;
+  out.tensors = detail::received_tensors(v);
+  out.msgpack.assign(reinterpret_cast<const char*>(v.msgpack), v.msgpack_size);
+  return out;
+}
+
+// Decodes a value received across the ABI, straight from the sender's bytes.
+inline Value decode(const twk_value_v1& v) {
+  return decode(v.msgpack, v.msgpack_size, detail::received_tensors(v));
+}
 
 }  // namespace twinkle

@@ -1,26 +1,27 @@
+// A cursor over msgpack bytes: it reads one value's header at a time into an Item, without
+// building msgpack objects and without allocating. Every read is bounded by the end of the bytes,
+// and a list or map cannot claim more entries than bytes are left, so hostile input can neither
+// read out of bounds nor make a decoder reserve more than the input's size. Used by the value
+// decoder (value.hpp) and the wire protocol's (transports/zmq); header-only, part of the plugin
+// SDK.
+//
+// Not msgpack-cxx's parser (it builds an object tree in a zone, two allocations a value for its
+// stacks) nor msgpuck (its validator counts entries in an int and accepts the byte 0xc1).
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 
-#include "transports/zmq/protocol.hpp"
-
-// A cursor over msgpack bytes, for the decoders of the wire protocol (protocol.cpp, message.cpp):
-// it reads one value's header at a time into an Item, without building msgpack objects and
-// without allocating. Every read is bounded by the end of the bytes, and a list or map cannot
-// claim more entries than bytes are left, so hostile input can neither read out of bounds nor
-// make a decoder reserve more than the message's size. Internal to transports/zmq.
-//
-// Not msgpack-cxx's parser (it builds an object tree in a zone, four allocations a message) nor
-// msgpuck (its validator counts entries in an int and accepts the byte 0xc1).
-namespace twinkle::transport::detail {
+namespace twinkle::detail {
 
 // Bytes that are not msgpack: truncated, or the byte msgpack never uses.
-class NotMsgpack : public ProtocolError {
+class NotMsgpack : public std::runtime_error {
  public:
-  using ProtocolError::ProtocolError;
+  using std::runtime_error::runtime_error;
 };
 
 struct Item {
@@ -191,4 +192,4 @@ class Reader {
   std::size_t at_ = 0;  // where the value next() reads starts
 };
 
-}  // namespace twinkle::transport::detail
+}  // namespace twinkle::detail
