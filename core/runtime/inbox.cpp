@@ -18,12 +18,20 @@ Inbox::Inbox(transport::WorkerLink& link, transport::ServeSocket& serve, GroupCa
       serve_level_(serve.waitable().level_triggered()) {}
 
 std::optional<Inbox::Pending> Inbox::take() {
-  if (queue_.empty()) return std::nullopt;
+  if (waiting() == 0) return std::nullopt;
   // What runs may use a ZeroMQ socket (its descriptor then no longer wakes for what waits).
   link_quiet_ = link_quiet_ && link_level_;
   serve_quiet_ = serve_quiet_ && serve_level_;
-  Pending p = std::move(queue_.front());
-  queue_.pop_front();
+  Pending p = std::move(queue_[head_++]);
+  // The slots are kept for the next messages: taken ones go when all are, or when they are more
+  // than half of a long queue.
+  if (head_ == queue_.size()) {
+    queue_.clear();
+    head_ = 0;
+  } else if (head_ >= 64 && 2 * head_ >= queue_.size()) {
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<std::ptrdiff_t>(head_));
+    head_ = 0;
+  }
   return p;
 }
 
@@ -33,7 +41,7 @@ void Inbox::wait() {
   // (three system calls a call: the poll, a read, the answer's write).
   if (!link_quiet_) read_link();
   if (!serve_quiet_) read_serve();
-  if (queue_.empty()) {
+  if (waiting() == 0) {
     const transport::Woke woke = transport::wait_readable({link_.waitable(), serve_.waitable()}, -1,
                                                           std::chrono::milliseconds(-1));
     // A socket that was read empty and did not wake has nothing, and nothing runs before the

@@ -1,9 +1,9 @@
 #pragma once
 
-#include <deque>
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/runtime/communicators.hpp"
 #include "core/runtime/group_calls.hpp"
@@ -50,7 +50,11 @@ class Inbox {
   GroupCalls& calls_;
   Communicators& comms_;
   std::function<std::string(const transport::Message&)> what_;
-  std::deque<Pending> queue_;
+  // In arrival order from head_; a vector, not a deque: a deque of these (one a node) allocates
+  // at every message.
+  std::vector<Pending> queue_;
+  std::size_t head_ = 0;
+  std::size_t waiting() const { return queue_.size() - head_; }
   // A socket needs no read before the next wait: the last wait found it empty and it did not wake,
   // or it was read empty and its poll says when more comes (Waitable::level_triggered).
   bool link_quiet_ = false;
