@@ -291,6 +291,8 @@ Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(Ms
   Reader body(static_cast<const char*>(f0.data()) + kHeaderSize, u.body_end - kHeaderSize);
   try {
     detail::unpack_body(u.type, body, u.tensors, m.body);
+  } catch (const NotMsgpack& e) {  // not after check_msgpack; a ProtocolError all the same
+    throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   } catch (const ProtocolError& e) {
     throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   }
