@@ -140,12 +140,13 @@ class StreamWorkerLink : public WorkerLink {
   std::optional<Message> recv_ready() override {
     for (;;) {
       bool read_data = false;
-      auto frames = stream_.recv(&read_data);
-      if (read_data) writes_.heard();
-      if (!frames) break;
       try {
-        return decode_message(std::move(*frames), shm_.get());
+        auto m = stream_.recv_message(shm_.get(), &read_data);
+        if (read_data) writes_.heard();
+        if (!m) break;
+        return m;
       } catch (const ProtocolError& e) {
+        if (read_data) writes_.heard();
         drops_.drop(e.what());
       }
     }

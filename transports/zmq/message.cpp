@@ -143,7 +143,7 @@ void check_msgpack(Reader& r, const char* what) {
 
 // The tensor table's entries (`n` of them at `r`) as tensors viewing frames 1..n or mapped from
 // shared memory.
-void read_tensors(Reader& r, std::size_t n, Frames& owned, Unframed& u, ShmChannel* channel) {
+void read_tensors(Reader& r, std::size_t n, Frames* owned, Unframed& u, ShmChannel* channel) {
   for (std::size_t i = 0; i < n; ++i) {
     const Item d = r.next();
     if (d.kind != Item::array || (d.size != 2 && d.size != 5)) {
@@ -195,7 +195,7 @@ void read_tensors(Reader& r, std::size_t n, Frames& owned, Unframed& u, ShmChann
       u.tensors.push_back(Tensor::view_fd(dt, shape, seg->data(), nbytes, seg, seg->fd(), at));
       continue;
     }
-    auto& fr = owned[1 + i];
+    auto& fr = (*owned)[1 + i];  // n > 0: there are tensor frames
     try {
       u.tensors.push_back(Tensor::view(dt, shape, fr.data(), fr.size(),
                                        std::shared_ptr<const void>(u.shared, fr.data())));
@@ -205,14 +205,15 @@ void read_tensors(Reader& r, std::size_t n, Frames& owned, Unframed& u, ShmChann
   }
 }
 
-Unframed unframe(Frames&& frames, ShmChannel* channel) {
-  if (frames.empty()) throw ProtocolError("malformed message: no frames");
-  const zmq::message_t& f0 = frames[0];
-  if (f0.size() < kHeaderSize || std::memcmp(f0.data(), kMagic, 4) != 0) {
+// Frame 0 (`data`, `size`): its header, where its body ends, and its tensor table, whose entries
+// view frames 1.. of `owned` (none when it is null) or are mapped from shared memory.
+void read_frame0(const char* data, std::size_t size, std::size_t n_tensors, Frames* owned,
+                 ShmChannel* channel, Unframed& u) {
+  if (size < kHeaderSize || std::memcmp(data, kMagic, 4) != 0) {
     throw ProtocolError(
         "malformed message: no twinkle header (is another program talking to this socket?)");
   }
-  const auto* h = static_cast<const unsigned char*>(f0.data());
+  const auto* h = reinterpret_cast<const unsigned char*>(data);
   const auto version = static_cast<std::uint16_t>(get_le(h + 4, 2));
   if (version != kProtocolVersion) {
     throw ProtocolError(
@@ -220,23 +221,11 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
                     "twinkle build everywhere",
                     version, kProtocolVersion));
   }
-  Unframed u;
   const auto type = static_cast<std::uint16_t>(get_le(h + 6, 2));
   u.type = static_cast<MsgType>(type);
   if (std::string_view(to_string(u.type)) == "unknown")
     throw ProtocolError(fmt::format("malformed message: unknown type {}", type));
   u.id = get_le(h + 8, 8);
-
-  // With tensor frames, the frames are owned by shared storage so that the tensors can view them.
-  const std::size_t n_tensors = frames.size() - 1;
-  if (n_tensors > 0) {
-    u.shared = std::make_shared<Frames>(std::move(frames));
-  } else {
-    u.frames = std::move(frames);
-  }
-  Frames& owned = u.shared ? *u.shared : u.frames;
-  const char* data = static_cast<const char*>(owned[0].data());
-  const std::size_t size = owned[0].size();
   if (size == kHeaderSize) throw ProtocolError("malformed message: no body after the header");
   Reader body(data + kHeaderSize, size - kHeaderSize);
   check_msgpack(body, "body");
@@ -246,7 +235,7 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
       throw ProtocolError(
           fmt::format("malformed message: {} tensor frame(s) and no tensor table", n_tensors));
     }
-    return u;
+    return;
   }
   Reader table(data + u.body_end, size - u.body_end);
   check_msgpack(table, "tensor table");
@@ -275,20 +264,34 @@ Unframed unframe(Frames&& frames, ShmChannel* channel) {
           static_cast<std::uint64_t>(checked_int(t.next(), "released id", k)));
     }
   }
+}
+
+Unframed unframe(Frames&& frames, ShmChannel* channel) {
+  if (frames.empty()) throw ProtocolError("malformed message: no frames");
+  Unframed u;
+  // With tensor frames, the frames are owned by shared storage so that the tensors can view them.
+  const std::size_t n_tensors = frames.size() - 1;
+  if (n_tensors > 0) {
+    u.shared = std::make_shared<Frames>(std::move(frames));
+  } else {
+    u.frames = std::move(frames);
+  }
+  Frames& owned = u.shared ? *u.shared : u.frames;
+  read_frame0(static_cast<const char*>(owned[0].data()), owned[0].size(), n_tensors, &owned,
+              channel, u);
   return u;
 }
 
+// The message of frame 0 at `data`, read by read_frame0 into `u`.
 template <class Body>
-Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType)) {
-  Unframed u = unframe(std::move(frames), channel);
+Envelope<Body> decode_body(const Unframed& u, const char* data, bool (*family)(MsgType)) {
   if (!family(u.type)) {
     throw ProtocolError(fmt::format(
         "malformed message: a {} message is not expected on this socket", to_string(u.type)));
   }
   Envelope<Body> m;
   m.id = u.id;
-  const zmq::message_t& f0 = u.frame0();
-  Reader body(static_cast<const char*>(f0.data()) + kHeaderSize, u.body_end - kHeaderSize);
+  Reader body(data + kHeaderSize, u.body_end - kHeaderSize);
   try {
     detail::unpack_body(u.type, body, u.tensors, m.body);
   } catch (const NotMsgpack& e) {  // not after check_msgpack; a ProtocolError all the same
@@ -297,6 +300,12 @@ Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(Ms
     throw ProtocolError(fmt::format("malformed {} message: {}", to_string(u.type), e.what()));
   }
   return m;
+}
+
+template <class Body>
+Envelope<Body> decode_as(Frames&& frames, ShmChannel* channel, bool (*family)(MsgType)) {
+  Unframed u = unframe(std::move(frames), channel);
+  return decode_body<Body>(u, static_cast<const char*>(u.frame0().data()), family);
 }
 
 }  // namespace
@@ -317,6 +326,13 @@ Frames encode_message(const ClusterMessage& m) {
 
 Message decode_message(Frames&& frames, ShmChannel* channel) {
   return decode_as<proto::Control>(std::move(frames), channel, &detail::is_control);
+}
+
+Message decode_message(const void* frame0, std::size_t size, ShmChannel* channel) {
+  Unframed u;
+  const auto* data = static_cast<const char*>(frame0);
+  read_frame0(data, size, 0, nullptr, channel, u);
+  return decode_body<proto::Control>(u, data, &detail::is_control);
 }
 
 ClusterMessage decode_cluster_message(Frames&& frames) {

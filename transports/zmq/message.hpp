@@ -38,6 +38,8 @@ Frames encode_message(const ClusterMessage& m);
 // channel is a ProtocolError too.
 Message decode_message(Frames&& frames, ShmChannel* channel = nullptr);
 ClusterMessage decode_cluster_message(Frames&& frames);
+// The same for a message of one frame, read where it lies (the bytes are not kept).
+Message decode_message(const void* frame0, std::size_t size, ShmChannel* channel = nullptr);
 
 // Sends on a DEALER (no identity) or ROUTER (with the peer's identity). Blocks only if the
 // socket's high-water mark is reached.

@@ -225,7 +225,8 @@ void pack(Out& o, const S& s) {
       fields);
 }
 // ----- decoding -----------------------------------------------------------------------------
-// Straight from the bytes into the struct (twinkle/msgpack_reader.hpp): no msgpack objects in between.
+// Straight from the bytes into the struct (twinkle/msgpack_reader.hpp): no msgpack objects in
+// between.
 
 using detail::Item;
 using detail::Reader;

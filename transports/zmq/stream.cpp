@@ -215,13 +215,13 @@ bool FrameStream::flush_wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-std::optional<Frames> FrameStream::take() {
-  std::size_t pos = in_begin_;
-  std::size_t count = 0;
+bool FrameStream::whole(std::size_t& pos, std::size_t& count) {
+  pos = in_begin_;
+  count = 0;
   for (;;) {
     if (in_end_ - pos < 8) {
       want_ = pos - in_begin_ + 8;
-      return std::nullopt;
+      return false;
     }
     const std::uint64_t head = get_u64(in_.data() + pos);
     const std::uint64_t size = head & ~kMore;
@@ -229,16 +229,38 @@ std::optional<Frames> FrameStream::take() {
       closed_ = true;
       error_ = fmt::format("a frame of {} bytes (the framing is broken)", size);
       in_begin_ = in_end_ = 0;
-      return std::nullopt;
+      return false;
     }
     if (in_end_ - pos - 8 < size) {
       want_ = pos - in_begin_ + 8 + static_cast<std::size_t>(size);
-      return std::nullopt;
+      return false;
     }
     pos += 8 + static_cast<std::size_t>(size);
     ++count;
-    if (!(head & kMore)) break;
+    if (!(head & kMore)) return true;
   }
+}
+
+std::optional<Message> FrameStream::take_message(ShmChannel* shm) {
+  std::size_t pos = 0, count = 0;
+  if (!whole(pos, count)) return std::nullopt;
+  if (count > 1 || pos - in_begin_ >= kAdoptBytes) {
+    auto frames = take();
+    return decode_message(std::move(*frames), shm);
+  }
+  // Taken before it is decoded (a message that does not decode is gone too); its bytes stay
+  // where they are until the next read.
+  const char* data = in_.data() + in_begin_ + 8;
+  const std::size_t size = pos - in_begin_ - 8;
+  in_begin_ = pos;
+  want_ = 0;
+  if (in_begin_ == in_end_) in_begin_ = in_end_ = 0;
+  return decode_message(data, size, shm);
+}
+
+std::optional<Frames> FrameStream::take() {
+  std::size_t pos = 0, count = 0;
+  if (!whole(pos, count)) return std::nullopt;
   Frames frames;
   frames.reserve(count);
   if (pos - in_begin_ >= kAdoptBytes) {
@@ -309,9 +331,10 @@ FrameStream::Read FrameStream::read() {
   }
 }
 
-std::optional<Frames> FrameStream::recv(bool* read_data) {
+template <class Take>
+auto FrameStream::recv_with(Take&& take, bool* read_data) -> decltype(take()) {
   for (;;) {
-    if (auto frames = take()) return frames;
+    if (auto m = take()) return m;
     if (closed_) return std::nullopt;
     // The last read emptied the socket: nothing more until a poll says so (poll on a socket is
     // level-triggered, so what came since is not missed).
@@ -322,6 +345,14 @@ std::optional<Frames> FrameStream::recv(bool* read_data) {
     if (read() != Read::data) return std::nullopt;
     if (read_data) *read_data = true;
   }
+}
+
+std::optional<Frames> FrameStream::recv(bool* read_data) {
+  return recv_with([this] { return take(); }, read_data);
+}
+
+std::optional<Message> FrameStream::recv_message(ShmChannel* shm, bool* read_data) {
+  return recv_with([this, shm] { return take_message(shm); }, read_data);
 }
 
 bool CoalescedWrites::send(FrameStream& stream, Frames&& frames) {
@@ -352,9 +383,11 @@ long poll_wait_ms(bool holding, bool forever, std::chrono::steady_clock::time_po
 
 std::optional<Message> PolledStream::take(ShmChannel* shm, DropLog& drops,
                                           const std::string& who) const {
-  while (auto frames = stream->take()) {
+  for (;;) {
     try {
-      return decode_message(std::move(*frames), shm);
+      auto m = stream->take_message(shm);
+      if (!m) break;
+      return m;
     } catch (const TransportError& err) {
       drops.drop(fmt::format("from worker {}: {}", who, err.what()));
     }

@@ -90,6 +90,10 @@ class FrameStream {
 
   // The next whole message that was read already, without reading the socket.
   std::optional<Frames> take();
+  // The same, decoded (decode_message with `shm`); a message of one frame is decoded where it
+  // lies in the stream's buffer, without a copy. Throws ProtocolError for one that does not
+  // decode: it is taken all the same.
+  std::optional<Message> take_message(ShmChannel* shm);
   enum class Read { data, empty, closed };
   // One read of what the socket has. `data`: bytes came (take() may have a message now);
   // `empty`: nothing was there; `closed`: the other end is gone and everything it sent was read.
@@ -99,6 +103,8 @@ class FrameStream {
   // take(), else read() and take() again, until a message or nothing more: the next message.
   // `read_data`, when given, is set when a read got bytes.
   std::optional<Frames> recv(bool* read_data = nullptr);
+  // The same with take_message: the next message, decoded. Throws as take_message does.
+  std::optional<Message> recv_message(ShmChannel* shm, bool* read_data = nullptr);
   bool closed() const { return closed_; }
   // The other end is gone (a write found it so, or a read reached its end), as opposed to a
   // stream closed for an error of its own (error()).
@@ -121,6 +127,12 @@ class FrameStream {
   Fd write_end_;  // written with writev, when it is not read_end_ (a pipe)
   // A message of kAdoptBytes or more is not copied out of the read buffer: its frames keep the
   // buffer, and reading goes on in a new one.
+  // Whether a whole message starts at in_begin_: then `pos` is where it ends and `count` its
+  // frames. Else want_ says how many bytes it needs (or the stream is closed, its framing broken).
+  bool whole(std::size_t& pos, std::size_t& count);
+  // recv() and recv_message(), with the take they use.
+  template <class Take>
+  auto recv_with(Take&& take, bool* read_data) -> decltype(take());
   static constexpr std::size_t kAdoptBytes = std::size_t{1} << 20;
   using Buffer = std::vector<char, detail::UninitAllocator<char>>;
   Buffer in_;  // [in_begin_, in_end_) read and not taken yet
