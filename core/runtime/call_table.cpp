@@ -89,9 +89,8 @@ void CallTable::lose(std::size_t peer, std::string text) {
     if (c.released || c.group != w.group) continue;
     const auto pos = std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin();
     if (pos >= static_cast<long>(c.workers.size())) continue;
-    if (c.results[static_cast<std::size_t>(pos)] || c.errors.count(static_cast<std::size_t>(pos)))
-      continue;
-    l.calls.push_back(fmt::format("{} ({}: {})", c.what, caller_label_, c.caller));
+    if (c.settled(static_cast<std::size_t>(pos))) continue;
+    l.calls.push_back(fmt::format("{} ({}: {})", c.what(), caller_label_, *c.caller));
   }
   lost_ = std::move(l);
   if (on_first_loss_) on_first_loss_(peer, lost_->text);
@@ -158,21 +157,22 @@ void CallTable::begin_restart(std::size_t gi, const std::vector<std::size_t>& pe
       // waiting to be sent after an earlier loss, it uses no retry.
       const bool pending = std::any_of(r.deferred.begin(), r.deferred.end(),
                                        [&](const auto& d) { return d.second.id == it->first; });
-      c.stale.resize(c.workers.size(), 0);
+      CallTrouble& t = c.troubled();
+      t.stale.resize(c.workers.size(), 0);
       for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
         if (replaced_index(c.workers[pos])) {
-          c.stale[pos] = 0;  // its process is gone: nothing more comes from it
-        } else if (!pending && !c.results[pos] && !c.errors.count(pos)) {
-          ++c.stale[pos];  // a survivor still answers this try
+          t.stale[pos] = 0;  // its process is gone: nothing more comes from it
+        } else if (!pending && !c.settled(pos)) {
+          ++t.stale[pos];  // a survivor still answers this try
         }
       }
       if (!pending) {
         --c.retries_left;
         c.results.assign(c.workers.size(), std::nullopt);
-        c.errors.clear();
+        t.errors.clear();
         c.answered = 0;
         c.deadline = deadline_after(c.timeout_s);
-        for (const auto& m : c.sent) r.deferred.push_back(m);
+        for (const auto& m : t.sent) r.deferred.push_back(m);
       }
       ++it;
       continue;
@@ -182,16 +182,16 @@ void CallTable::begin_restart(std::size_t gi, const std::vector<std::size_t>& pe
     std::erase_if(r.deferred, [&](const auto& d) { return d.second.id == it->first; });
     std::vector<std::string> done, open;
     for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
-      (c.results[pos] || c.errors.count(pos) ? done : open)
-          .push_back(std::to_string(c.workers[pos]));
+      (c.settled(pos) ? done : open).push_back(std::to_string(c.workers[pos]));
     }
-    c.worker_lost = fmt::format(
+    CallTrouble& t = c.troubled();
+    t.worker_lost = fmt::format(
         "{}; group {} restarts. The call had finished on ranks [{}]; it may have run on ranks "
         "[{}]",
         text, g.name, fmt::join(done, ", "), fmt::join(open, ", "));
     for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
-      if (c.results[pos] || c.errors.count(pos)) continue;
-      c.errors[pos] = *c.worker_lost;
+      if (c.settled(pos)) continue;
+      t.errors[pos] = *t.worker_lost;
       ++c.answered;
     }
     if (c.released) {
@@ -356,7 +356,7 @@ std::vector<std::size_t> CallTable::waiting_peers() const {
   if (it == calls_.end()) return out;
   const Call& c = it->second;
   for (std::size_t pos = 0; pos < c.workers.size(); ++pos) {
-    if (c.results[pos] || c.errors.count(pos)) continue;
+    if (c.settled(pos)) continue;
     out.push_back(groups_[c.group].peers[static_cast<std::size_t>(c.workers[pos])]);
   }
   std::sort(out.begin(), out.end());
@@ -370,8 +370,8 @@ void CallTable::fail_waiting(std::size_t peer, const std::string& error) {
     if (c.released || c.group != w.group) continue;
     const auto pos = static_cast<std::size_t>(
         std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
-    if (pos >= c.workers.size() || c.results[pos] || c.errors.count(pos)) continue;
-    c.errors[pos] = error;
+    if (pos >= c.workers.size() || c.settled(pos)) continue;
+    c.troubled().errors[pos] = error;
     ++c.answered;
   }
 }
@@ -446,16 +446,16 @@ void CallTable::on_event(ChannelEvent& e) {
     const auto pos = static_cast<std::size_t>(
         std::find(c.workers.begin(), c.workers.end(), w.index) - c.workers.begin());
     if (c.group != w.group || pos >= c.workers.size()) return;
-    if (pos < c.stale.size() && c.stale[pos] > 0) {
-      --c.stale[pos];  // a survivor's answer to a try before the retry
+    if (c.trouble && pos < c.trouble->stale.size() && c.trouble->stale[pos] > 0) {
+      --c.trouble->stale[pos];  // a survivor's answer to a try before the retry
       return;
     }
-    if (c.results[pos] || c.errors.count(pos)) return;
+    if (c.settled(pos)) return;
     w.completed = true;
     if (reply->error) {
-      c.errors[pos] = std::move(*reply->error);
+      c.troubled().errors[pos] = std::move(*reply->error);
     } else {
-      c.results[pos] = std::move(reply->value);
+      c.results[pos] = Answer{std::move(reply->value.msgpack), std::move(reply->value.tensors)};
     }
     ++c.answered;
     if (c.released && c.answered == c.workers.size()) calls_.erase(it);
@@ -486,9 +486,11 @@ void CallTable::drain() {
 void CallTable::cancel(std::string reason) {
   std::lock_guard lock(cancel_mu_);
   if (!cancelled_) cancelled_ = std::move(reason);
+  any_cancel_.store(true, std::memory_order_release);
 }
 
 std::optional<std::string> CallTable::cancelled() const {
+  if (!any_cancel_.load(std::memory_order_acquire)) return std::nullopt;
   std::lock_guard lock(cancel_mu_);
   return cancelled_;
 }
@@ -696,24 +698,26 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
         "no remote method {} (class {} has: {}); declare it with TWINKLE_METHOD", method_name,
         cls.name, names.empty() ? std::string("none") : fmt::format("{}", fmt::join(names, ", "))));
   }
-  const std::string what = fmt::format("{}.{}", cls.name, m->name);
-  check_failed(what);
+  // Made only where it is needed (every error, and a dispatch that splits the arguments).
+  auto what = [&] { return fmt::format("{}.{}", cls.name, m->name); };
+  if (cancelled() || lost_) check_failed(what());
   const std::size_t gi = inst->second.group;
   const GroupInfo& g = groups_[gi];
   if (restarts_.decide) {
     drain();  // a loss that came meanwhile is seen by this call
-    if (m->retries == 0) throw_unobserved(gi, what);
+    if (m->retries == 0) throw_unobserved(gi, what());
   }
 
   Call c;
-  c.what = what;
-  c.caller = caller;
-  c.group = gi;
+  c.cls = &cls;
   c.method = m;
+  auto known = callers_.find(caller);
+  c.caller = &*(known != callers_.end() ? known : callers_.insert(caller).first);
+  c.group = gi;
   try {
     c.workers = executing_workers(m->execute, g.mesh, peer);
   } catch (const std::invalid_argument& e) {
-    throw CallError(fmt::format("{}: {}", what, e.what()));
+    throw CallError(fmt::format("{}: {}", what(), e.what()));
   }
   if (!inst->second.whole && (m->execute != Execute::peer || !peer)) {
     // An instance on a peer block: `all` (and peer from the driver) means its workers.
@@ -726,7 +730,7 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     per_worker.assign(c.workers.size(), args);
   } else if (m->dispatch == Dispatch::custom) {
     twk_dispatch_fn fn = custom_.dispatcher ? custom_.dispatcher(m->custom_dispatch) : nullptr;
-    if (!fn) throw CallError(fmt::format("{}: no custom dispatch {}", what, m->custom_dispatch));
+    if (!fn) throw CallError(fmt::format("{}: no custom dispatch {}", what(), m->custom_dispatch));
     EncodedValue ea = args;
     for (std::size_t i = 0; i < c.workers.size(); ++i) {
       SinkCapture got;
@@ -735,7 +739,7 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
       if (fn(static_cast<std::int32_t>(c.workers.size()), static_cast<std::int32_t>(i),
              mesh_abi_[gi]->view(), ea.view(), &sink) != TWK_OK ||
           !got.value) {
-        throw CallError(fmt::format("{}: custom dispatch {} failed for worker {}: {}", what,
+        throw CallError(fmt::format("{}: custom dispatch {} failed for worker {}: {}", what(),
                                     m->custom_dispatch, i, got.error.value_or("no value")));
       }
       per_worker.push_back(encode(*got.value));
@@ -745,9 +749,9 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     try {
       whole = decode(args.msgpack.data(), args.msgpack.size(), args.tensors);
     } catch (const ValueError& e) {
-      throw CallError(fmt::format("{}: its arguments: {}", what, e.what()));
+      throw CallError(fmt::format("{}: its arguments: {}", what(), e.what()));
     }
-    for (auto& v : dispatch_args(m->dispatch, whole, g.mesh, c.workers, what))
+    for (auto& v : dispatch_args(m->dispatch, whole, g.mesh, c.workers, what()))
       per_worker.push_back(encode(v));
   }
   c.results.resize(c.workers.size());
@@ -759,7 +763,7 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     Message msg{id,
                 transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]), chain}};
     const std::size_t peer = g.peers[static_cast<std::size_t>(c.workers[i])];
-    if (c.retries_left > 0) c.sent.emplace_back(peer, msg);
+    if (c.retries_left > 0) c.troubled().sent.emplace_back(peer, msg);
     send_to(peer, std::move(msg));
   }
   calls_.emplace(id, std::move(c));
@@ -771,7 +775,7 @@ EncodedValue CallTable::wait(std::uint64_t future) {
   auto it = calls_.find(future);
   if (it == calls_.end()) throw CallError("unknown or already collected call");
   // The SDK puts "[twinkle driver caller: FILE:LINE]" in front (detail::caller_prefix).
-  const std::string prefix = it->second.what;
+  const std::string prefix = it->second.what();
   struct InWait {
     std::uint64_t& slot;
     ~InWait() { slot = 0; }
@@ -785,11 +789,12 @@ EncodedValue CallTable::wait(std::uint64_t future) {
       calls_.erase(it);
       throw CallError(msg);
     }
-    if (Clock::now() > c.deadline) {
+    const auto now = Clock::now();
+    if (now > c.deadline) {
       std::vector<std::string> missing;
       std::vector<std::size_t> silent;  // their peers
       for (std::size_t i = 0; i < c.workers.size(); ++i) {
-        if (c.results[i] || c.errors.count(i)) continue;
+        if (c.settled(i)) continue;
         missing.push_back(std::to_string(c.workers[i]));
         silent.push_back(groups_[c.group].peers[static_cast<std::size_t>(c.workers[i])]);
       }
@@ -812,24 +817,26 @@ EncodedValue CallTable::wait(std::uint64_t future) {
           "timeout (twinkle::timeout in TWINKLE_METHOD) or job.timeout_s",
           prefix, c.timeout_s, fmt::join(missing, ", "), groups_[c.group].name));
     }
-    pump(std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - Clock::now()) +
+    pump(std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - now) +
          std::chrono::milliseconds(1));
     it = calls_.find(future);
     if (it == calls_.end()) throw CallError(prefix + ": the call was dropped");
   }
   Call c = std::move(it->second);
   calls_.erase(it);
-  if (c.worker_lost) {
+  if (c.trouble && c.trouble->worker_lost) {
     unobserved_.erase(c.group);  // the caller sees the restart now
-    throw CallError(fmt::format("{}{} failed: {}", TWK_WORKER_LOST_TAG, prefix, *c.worker_lost));
+    throw CallError(
+        fmt::format("{}{} failed: {}", TWK_WORKER_LOST_TAG, prefix, *c.trouble->worker_lost));
   }
-  if (!c.errors.empty()) {
-    const auto& [pos, e] = *c.errors.begin();
+  if (c.trouble && !c.trouble->errors.empty()) {
+    const auto& errors = c.trouble->errors;
+    const auto& [pos, e] = *errors.begin();
     std::string msg =
         fmt::format("{} failed on {}: {}", prefix, worker_label(c.group, c.workers[pos]), e);
-    if (c.errors.size() > 1) {
+    if (errors.size() > 1) {
       std::vector<std::string> others;
-      for (const auto& [p, _] : c.errors) {
+      for (const auto& [p, _] : errors) {
         if (p != pos) others.push_back(std::to_string(c.workers[p]));
       }
       msg += fmt::format(" (ranks {} failed too)", fmt::join(others, ", "));
@@ -843,11 +850,11 @@ EncodedValue CallTable::collect(Call& c, const std::string& prefix) {
   // One result that is returned whole goes back as the worker sent it.
   if (!c.results.empty() && (c.method->collect == Collect::first ||
                              (c.method->collect == Collect::none && c.results.size() == 1)))
-    return std::move(*c.results[0]);
+    return c.results[0]->take();
   std::vector<Value> results;
   results.reserve(c.results.size());
   for (std::size_t i = 0; i < c.results.size(); ++i) {
-    const EncodedValue& r = *c.results[i];
+    const Answer& r = *c.results[i];
     try {
       results.push_back(decode(r.msgpack.data(), r.msgpack.size(), r.tensors));
     } catch (const ValueError& e) {
@@ -858,7 +865,7 @@ EncodedValue CallTable::collect(Call& c, const std::string& prefix) {
   if (c.method->collect != Collect::custom) {
     try {
       return encode(collect_results(c.method->collect, std::move(results), groups_[c.group].mesh,
-                                    c.workers, c.what));
+                                    c.workers, prefix));
     } catch (const std::exception& e) {
       throw CallError(fmt::format("{}: {}", prefix, e.what()));
     }
@@ -867,7 +874,9 @@ EncodedValue CallTable::collect(Call& c, const std::string& prefix) {
   if (!fn)
     throw CallError(fmt::format("{}: no custom collect {}", prefix, c.method->custom_collect));
   std::vector<twk_value_v1> views;
-  for (auto& r : c.results) views.push_back(*r->view());
+  std::vector<EncodedValue> encoded;
+  encoded.reserve(c.results.size());
+  for (auto& r : c.results) views.push_back(*encoded.emplace_back(r->take()).view());
   SinkCapture got;
   twk_sink_v1 sink = got.sink();
   if (fn(views.data(), static_cast<std::uint32_t>(views.size()), mesh_abi_[c.group]->view(),
@@ -888,5 +897,7 @@ void CallTable::release(std::uint64_t future) {
     it->second.released = true;
   }
 }
+
+std::string CallTable::Call::what() const { return fmt::format("{}.{}", cls->name, method->name); }
 
 }  // namespace twinkle::core

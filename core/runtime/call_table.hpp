@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -189,24 +190,49 @@ class CallTable {
     bool creating = false;  // create() waits for it: a restart makes it on the replacements
     std::string maker;      // the worker that made it (proto::Made); empty: this caller
   };
-  struct Call {
-    std::string what;    // "Model.train_step"
-    std::string caller;  // "train.cpp:42"
-    std::size_t group = 0;
-    const plugins::MethodInfo* method = nullptr;
-    std::vector<int> workers;
-    std::vector<std::optional<EncodedValue>> results;
+  // What only a call that failed somewhere or can be retried needs: most calls have none, and
+  // a call waiting for its answers is kept small (pipelined calls hold many of them).
+  struct CallTrouble {
     std::map<std::size_t, std::string> errors;  // position -> message
-    std::size_t answered = 0;
-    double timeout_s = 0;
-    std::chrono::steady_clock::time_point deadline;
-    bool released = false;
-    std::optional<std::string> worker_lost;  // its group restarted before every answer came
-    int retries_left = 0;                    // twinkle::retry
+    std::optional<std::string> worker_lost;     // its group restarted before every answer came
     // Per position: answers still due from a survivor for a try before a retry (restart =
     // "worker"), dropped when they come.
     std::vector<int> stale;
     std::vector<std::pair<std::size_t, transport::Message>> sent;  // with retries: what to resend
+  };
+  // A worker's result as it came: an EncodedValue without its view, a third of the size.
+  struct Answer {
+    std::string msgpack;
+    std::vector<Tensor> tensors;
+    EncodedValue take() {
+      EncodedValue e;
+      e.msgpack = std::move(msgpack);
+      e.tensors = std::move(tensors);
+      return e;
+    }
+  };
+  struct Call {
+    const plugins::ClassInfo* cls = nullptr;
+    const plugins::MethodInfo* method = nullptr;
+    const std::string* caller = nullptr;  // "train.cpp:42", kept once in callers_
+    std::size_t group = 0;
+    std::vector<int> workers;
+    std::vector<std::optional<Answer>> results;
+    std::size_t answered = 0;
+    double timeout_s = 0;
+    std::chrono::steady_clock::time_point deadline;
+    bool released = false;
+    int retries_left = 0;  // twinkle::retry
+    std::unique_ptr<CallTrouble> trouble;
+
+    std::string what() const;  // "Model.train_step"
+    CallTrouble& troubled() {
+      if (!trouble) trouble = std::make_unique<CallTrouble>();
+      return *trouble;
+    }
+    bool failed(std::size_t pos) const { return trouble && trouble->errors.count(pos); }
+    // Its answer from position `pos` came (a result or an error).
+    bool settled(std::size_t pos) const { return results[pos] || failed(pos); }
   };
   // A group between the loss of a worker and the moment it is back: waiting (the backoff),
   // starting (replacements spawned, their hellos awaited), recovering (welcomed and their
@@ -250,6 +276,7 @@ class CallTable {
   double timeout_s_;
   std::map<std::uint64_t, Instance> instances_;
   std::map<std::uint64_t, Call> calls_;
+  std::set<std::string, std::less<>> callers_;  // the call sites of calls, each kept once
   // The checkpoint being saved: its request id and the answers so far, by peer.
   std::uint64_t saving_ = 0;
   std::map<std::size_t, transport::proto::Saved> saved_;
@@ -271,6 +298,7 @@ class CallTable {
 
   mutable std::mutex cancel_mu_;
   std::optional<std::string> cancelled_;  // guarded by cancel_mu_
+  std::atomic<bool> any_cancel_{false};   // cancelled_ is set: every call looks, without the lock
   bool expecting_exits_ = false;
 };
 

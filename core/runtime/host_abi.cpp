@@ -77,14 +77,26 @@ std::int32_t guarded(twk_sink_v1* sink, F&& f) {
 
 HostOps& ops(void* c) { return *static_cast<HostOps*>(c); }
 
-// "train.cpp:42" for a call site (the file without its folders).
-std::string call_site(const char* file, std::uint32_t line) {
-  std::string_view f = file ? file : "?";
+// "train.cpp:42" for a call site (the file without its folders). A loop of calls comes from one
+// site: the last one is kept (for each thread that calls), and made again only for another file
+// or line.
+const std::string& call_site(const char* file, std::uint32_t line) {
+  struct Last {
+    std::string file;  // as the plugin gave it
+    std::uint32_t line = 0;
+    std::string site;
+  };
+  thread_local Last last;
+  const std::string_view given = file ? file : "?";
+  if (line == last.line && !last.site.empty() && given == last.file) return last.site;
+  std::string_view f = given;
   if (const auto slash = f.rfind('/'); slash != std::string_view::npos) f.remove_prefix(slash + 1);
-  std::string out(f);
-  out += ':';
-  out += std::to_string(line);
-  return out;
+  last.file = given;
+  last.line = line;
+  last.site = f;
+  last.site += ':';
+  last.site += std::to_string(line);
+  return last.site;
 }
 
 }  // namespace

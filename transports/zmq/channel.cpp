@@ -431,7 +431,8 @@ std::optional<ChannelEvent> LocalDriverChannel::take_read() {
 std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds timeout) {
   using Clock = std::chrono::steady_clock;
   const bool forever = timeout.count() < 0;
-  const auto deadline = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
+  // Read only once a poll is needed: what came already is taken without the clock.
+  std::optional<Clock::time_point> until;
   for (;;) {
     if (auto e = take_read()) return e;
     // Read what the last poll found, until each of those sockets is empty.
@@ -442,6 +443,8 @@ std::optional<ChannelEvent> LocalDriverChannel::next(std::chrono::milliseconds t
     // count (the loss of a worker whose group restarts fails only the calls it did not answer).
     // So a lost event is delivered only once a poll found no peer with more to read.
     if (!held_) held_ = events_.take();
+    if (!until) until = Clock::now() + (forever ? std::chrono::milliseconds(0) : timeout);
+    const auto deadline = *until;
     const long left = poll_wait_ms(held_.has_value(), forever, deadline);
     // Two entries a peer: what it sent (POLLIN), and room for what waits for it (POLLOUT).
     polled_.clear();
