@@ -123,6 +123,21 @@ void CallTable::send_to(std::size_t peer, Message m) {
   }
 }
 
+// send_to(peer, m) for each of `peers`, all of group `gi`, in one message where the channel can.
+void CallTable::send_to_each(std::size_t gi, const std::vector<std::size_t>& peers,
+                             const Message& m) {
+  if (auto it = restarting_.find(gi); it != restarting_.end()) {
+    for (const std::size_t peer : peers) it->second.deferred.emplace_back(peer, m);
+    return;
+  }
+  if (!restarts_.decide) return channel_.send_each(peers, m);
+  try {
+    channel_.send_each(peers, m);
+  } catch (const TransportError&) {
+    // As in send_to: the losses are on their way; every peer was tried.
+  }
+}
+
 // A worker of `group` was lost and the group restarts: whatever waits on the group fails with
 // WorkerLost now (the SDK's twinkle::WorkerLost, by the tag), and what is sent to it from now on
 // waits until it is back. With restart = "worker" only the lost `peers` are replaced: the survivors
@@ -724,11 +739,11 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
     c.workers = m->execute == Execute::first ? std::vector<int>{inst->second.workers.front()}
                                              : inst->second.workers;
   }
-  // Arguments that every executing worker gets whole are sent as the plugin encoded them.
+  // Arguments that every executing worker gets whole are sent as the plugin encoded them, in one
+  // message for all of them.
+  const bool whole = m->execute == Execute::first || m->dispatch == Dispatch::all;
   std::vector<EncodedValue> per_worker;
-  if (m->execute == Execute::first || m->dispatch == Dispatch::all) {
-    per_worker.assign(c.workers.size(), args);
-  } else if (m->dispatch == Dispatch::custom) {
+  if (!whole && m->dispatch == Dispatch::custom) {
     twk_dispatch_fn fn = custom_.dispatcher ? custom_.dispatcher(m->custom_dispatch) : nullptr;
     if (!fn) throw CallError(fmt::format("{}: no custom dispatch {}", what(), m->custom_dispatch));
     EncodedValue ea = args;
@@ -744,14 +759,14 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
       }
       per_worker.push_back(encode(*got.value));
     }
-  } else {
-    Value whole;
+  } else if (!whole) {
+    Value value;
     try {
-      whole = decode(args.msgpack.data(), args.msgpack.size(), args.tensors);
+      value = decode(args.msgpack.data(), args.msgpack.size(), args.tensors);
     } catch (const ValueError& e) {
       throw CallError(fmt::format("{}: its arguments: {}", what(), e.what()));
     }
-    for (auto& v : dispatch_args(m->dispatch, whole, g.mesh, c.workers, what()))
+    for (auto& v : dispatch_args(m->dispatch, value, g.mesh, c.workers, what()))
       per_worker.push_back(encode(v));
   }
   c.results.resize(c.workers.size());
@@ -759,12 +774,22 @@ std::uint64_t CallTable::call(std::uint64_t instance, std::string_view method_na
   c.deadline = deadline_after(c.timeout_s);
   const std::uint64_t id = ++next_id_;
   c.retries_left = restarts_.decide ? m->retries : 0;
-  for (std::size_t i = 0; i < c.workers.size(); ++i) {
-    Message msg{id,
-                transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]), chain}};
-    const std::size_t peer = g.peers[static_cast<std::size_t>(c.workers[i])];
-    if (c.retries_left > 0) c.troubled().sent.emplace_back(peer, msg);
-    send_to(peer, std::move(msg));
+  auto peer_of = [&](std::size_t i) { return g.peers[static_cast<std::size_t>(c.workers[i])]; };
+  if (whole) {
+    const Message msg{id, transport::proto::Call{instance, m->name, caller, args, chain}};
+    std::vector<std::size_t> peers(c.workers.size());
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      peers[i] = peer_of(i);
+      if (c.retries_left > 0) c.troubled().sent.emplace_back(peers[i], msg);
+    }
+    send_to_each(gi, peers, msg);
+  } else {
+    for (std::size_t i = 0; i < c.workers.size(); ++i) {
+      Message msg{
+          id, transport::proto::Call{instance, m->name, caller, std::move(per_worker[i]), chain}};
+      if (c.retries_left > 0) c.troubled().sent.emplace_back(peer_of(i), msg);
+      send_to(peer_of(i), std::move(msg));
+    }
   }
   calls_.emplace(id, std::move(c));
   if (id % 1024 == 0) heap_pages::advise_growth();

@@ -262,6 +262,9 @@ class CallTable {
   std::optional<std::size_t> donor_for(std::size_t peer, const Restarting& r) const;
   // Sends now, or once `peer`'s group is back when it is restarting.
   void send_to(std::size_t peer, transport::Message m);
+  // send_to each of `peers` (all of group `group`): one message the channel may encode once.
+  void send_to_each(std::size_t group, const std::vector<std::size_t>& peers,
+                    const transport::Message& m);
   // Throws WorkerLost for a restart of `group` that the caller has not seen yet.
   void throw_unobserved(std::size_t group, const std::string& what);
   void check_failed(const std::string& what) const;

@@ -538,6 +538,48 @@ TEST_CASE("driver channel: a message waits no longer for a worker whose pipe ano
   }
 }
 
+TEST_CASE("driver channel: one message sent to each of several workers reaches every one whole",
+          "[zmq]") {
+  // send_each encodes a message without tensors once for all: worker 0 reads nothing, so the
+  // rest of each message waits for its pipe to have room, kept from the one encoding that the
+  // others were sent too; each gets all of its own, intact.
+  LocalDriverChannel channel({"w0", "w1", "w2"});
+  auto link0 = local_link(channel, 0);
+  auto link1 = local_link(channel, 1);
+  auto link2 = local_link(channel, 2);
+  std::string pad(100000, 'p');    // a frame large enough to wait as it is, not copied
+  for (int i = 1; i <= 40; ++i) {  // 4 MB: more than worker 0's pipe takes
+    pad[0] = static_cast<char>('a' + i % 26);
+    channel.send_each({0, 1, 2}, Message{static_cast<std::uint64_t>(i),
+                                         proto::Call{1, "m", "x.cpp:1", encode(Value(pad)), {}}});
+    for (auto* link : {link1.get(), link2.get()}) {
+      auto m = link->recv(5s);
+      REQUIRE(m);
+      REQUIRE(m->id == static_cast<std::uint64_t>(i));
+      REQUIRE(decode(m->get<proto::Call>()->args).as<std::string>() == pad);
+    }
+  }
+  for (int i = 1; i <= 40; ++i) {
+    pad[0] = static_cast<char>('a' + i % 26);
+    auto m = link0->recv(5s);
+    REQUIRE(m);
+    REQUIRE(m->id == static_cast<std::uint64_t>(i));
+    REQUIRE(decode(m->get<proto::Call>()->args).as<std::string>() == pad);
+  }
+  // With a tensor for shared memory, each worker is sent its own encoding and its own segment.
+  Tensor big(DType::f32, {static_cast<std::int64_t>(kShmThreshold / 4 + 1)});
+  big.mutable_span<float>()[12345] = 9;
+  channel.send_each({1, 2}, Message{200, proto::Call{1, "m", "x.cpp:1", encode(Value(big)), {}}});
+  for (auto* link : {link1.get(), link2.get()}) {
+    auto m = link->recv(5s);
+    REQUIRE(m);
+    REQUIRE(m->id == 200);
+    const Value got = decode(m->get<proto::Call>()->args);
+    CHECK(got.tensor().span<float>()[12345] == 9);
+    CHECK(got.tensor().shm_fd() >= 0);
+  }
+}
+
 TEST_CASE("driver channel: tensors reach a local worker inline and in shared memory", "[zmq]") {
   LocalDriverChannel channel({"w0"});
   auto link = local_link(channel, 0);

@@ -205,6 +205,11 @@ std::vector<std::uint64_t> ShmChannel::take_released() {
   return std::exchange(released_->ids, {});
 }
 
+bool ShmChannel::has_released() const {
+  std::lock_guard lock(released_->mu);
+  return !released_->ids.empty();
+}
+
 std::uint64_t ShmChannel::send(int fd) {
   const std::uint64_t token = ++next_token_;
   iovec iov{const_cast<std::uint64_t*>(&token), sizeof token};

@@ -118,6 +118,8 @@ class ShmChannel {
                                   std::uint64_t pool_id);
   // The pool ids released since the last call. Thread-safe.
   std::vector<std::uint64_t> take_released();
+  // Whether take_released() would return some now. Thread-safe.
+  bool has_released() const;
 
  private:
   struct Released {

@@ -373,22 +373,53 @@ void LocalDriverChannel::renew_worker_ends(std::size_t peer) {
   old = std::exchange(peers_.at(peer), std::move(fresh));
 }
 
-void LocalDriverChannel::send(std::size_t peer, const Message& m) {
-  Peer& p = *peers_.at(peer);
-  // A worker whose end is gone has died (a worker whose link breaks exits): the launcher
-  // reports its loss, which fails or restarts what was sent to it, naming how it ended. What it
-  // is sent meanwhile goes nowhere, and is not the run's error.
-  if (p.stream->peer_gone()) return;
-  // A worker that has not answered since the last message it was sent is busy with it (or the
-  // driver has not read its answer yet): this one waits for the next, up to Flusher::kCoalesce.
+// A worker whose end is gone has died (a worker whose link breaks exits): the launcher reports its
+// loss, which fails or restarts what was sent to it, naming how it ended. What it is sent
+// meanwhile goes nowhere, and is not the run's error. A worker that has not answered since the
+// last message it was sent is busy with it (or the driver has not read its answer yet): this one
+// waits for the next, up to Flusher::kCoalesce.
+template <class Write>
+void LocalDriverChannel::write_to(std::size_t peer, Peer& p, Write&& write) {
   bool waits = false;
   try {
-    waits = p.writes.send(*p.stream, encode_message(m, p.shm.get()));
+    waits = write();
   } catch (const TransportError& e) {
     if (p.stream->peer_gone()) return;
     throw TransportError(fmt::format("cannot reach worker {}: {}", names_.at(peer), e.what()));
   }
   if (waits) flusher_->arm();
+}
+
+void LocalDriverChannel::send(std::size_t peer, const Message& m) {
+  Peer& p = *peers_.at(peer);
+  if (p.stream->peer_gone()) return;
+  write_to(peer, p, [&] { return p.writes.send(*p.stream, encode_message(m, p.shm.get())); });
+}
+
+// One encoding for every worker that needs nothing of its own in it: a message without tensors
+// (they may go through a worker's shared memory), to a worker with no released segments to name.
+void LocalDriverChannel::send_each(const std::vector<std::size_t>& peers, const Message& m) {
+  std::optional<Frames> shared;
+  bool whole = true;  // the shared encoding has no tensors
+  std::exception_ptr first;
+  for (const std::size_t peer : peers) {
+    try {
+      Peer& p = *peers_.at(peer);
+      if (p.stream->peer_gone()) continue;
+      if (whole && !shared) {
+        shared = encode_message(m);
+        whole = shared->size() == 1;
+      }
+      if (whole && !(p.shm && p.shm->has_released())) {
+        write_to(peer, p, [&] { return p.writes.send_shared(*p.stream, *shared); });
+      } else {
+        write_to(peer, p, [&] { return p.writes.send(*p.stream, encode_message(m, p.shm.get())); });
+      }
+    } catch (const TransportError&) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void LocalDriverChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
@@ -538,6 +569,18 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
       drops_.drop(fmt::format("from worker {}: {}", identity, err.what()));
     }
   }
+}
+
+void CallChannel::send_each(const std::vector<std::size_t>& peers, const Message& m) {
+  std::exception_ptr first;
+  for (const std::size_t peer : peers) {
+    try {
+      send(peer, m);
+    } catch (const TransportError&) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, Fd shm,

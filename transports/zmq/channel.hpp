@@ -119,6 +119,9 @@ class CallChannel {
   // whose end of the stream is gone has died, and what it is sent is dropped (its loss comes
   // through lost(), from its launcher).
   virtual void send(std::size_t peer, const Message& m) = 0;
+  // send(peer, m) for each of `peers` (a call every one of them gets whole), each tried even when
+  // one before it threw; then throws the first TransportError. A channel may encode `m` once.
+  virtual void send_each(const std::vector<std::size_t>& peers, const Message& m);
   // The next event, waiting at most `timeout` (negative: until one comes); nullopt on timeout.
   virtual std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) = 0;
   // `peer` is gone (its process ended, its node stopped answering): next() delivers it once.
@@ -225,6 +228,7 @@ class LocalDriverChannel : public CallChannel {
   // kControlOutFd.
   const std::string& endpoint() const override { return endpoint_; }
   void send(std::size_t peer, const Message& m) override;
+  void send_each(const std::vector<std::size_t>& peers, const Message& m) override;
   std::optional<ChannelEvent> next(std::chrono::milliseconds timeout) override;
   void lost(std::size_t peer, std::string reason, std::vector<std::size_t> with = {}) override;
   void forget_lost(std::size_t peer) override { events_.forget(peer); }
@@ -237,6 +241,9 @@ class LocalDriverChannel : public CallChannel {
   struct Peer;
   // A whole message already read from one of the peers, taken in turn; nullopt when none.
   std::optional<ChannelEvent> take_read();
+  // Runs `write` (a send on p.writes) for `peer`; arms the flusher when something waits.
+  template <class Write>
+  void write_to(std::size_t peer, Peer& p, Write&& write);
 
   // What the flusher runs: every peer's waiting messages written; the write ends still full.
   std::vector<int> flush_waiting();

@@ -91,7 +91,7 @@ void FrameStream::write_failed(int err) {
   throw TransportError("cannot write to the stream: " + write_error_);
 }
 
-void FrameStream::send(Frames&& frames, bool now) {
+void FrameStream::write_frames(Frames& frames, bool now, bool shared) {
   if (write_gone_) throw TransportError("the other end of the stream is gone");
   if (!write_error_.empty()) throw TransportError("cannot write to the stream: " + write_error_);
   // A message of up to kInline frames (every call and reply) needs no allocation here.
@@ -156,7 +156,13 @@ void FrameStream::send(Frames&& frames, bool now) {
     if (frame_of[i] != 0 && iov[i].iov_len >= kHoldBytes) {
       zmq::message_t& f = frames[frame_of[i] - 1];
       const std::size_t at = f.size() - iov[i].iov_len;
-      held_.push_back(Held{out_.size(), std::move(f), at});
+      zmq::message_t kept;
+      if (shared) {
+        kept.copy(f);  // a reference to the same bytes
+      } else {
+        kept = std::move(f);
+      }
+      held_.push_back(Held{out_.size(), std::move(kept), at});
       continue;
     }
     const char* p = static_cast<const char*>(iov[i].iov_base);
@@ -355,10 +361,14 @@ std::optional<Message> FrameStream::recv_message(ShmChannel* shm, bool* read_dat
   return recv_with([this, shm] { return take_message(shm); }, read_data);
 }
 
-bool CoalescedWrites::send(FrameStream& stream, Frames&& frames) {
+bool CoalescedWrites::write(FrameStream& stream, Frames& frames, bool shared) {
   const bool wait = unanswered > 0;
   std::lock_guard lock(mu);
-  stream.send(std::move(frames), !wait);
+  if (shared) {
+    stream.send_shared(frames, !wait);
+  } else {
+    stream.send(std::move(frames), !wait);
+  }
   ++unanswered;
   return stream.has_output();
 }

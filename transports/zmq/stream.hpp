@@ -79,7 +79,10 @@ class FrameStream {
   // share no state but an atomic flag: one thread may read while another writes, and a write
   // side used by two threads is guarded by its user (LocalDriverChannel). peer_gone() looks at
   // both: ask it where the stream is read.
-  void send(Frames&& frames, bool now = true);
+  void send(Frames&& frames, bool now = true) { write_frames(frames, now, false); }
+  // send() of frames that other streams are sent too (one encoding of a message to several
+  // workers): they stay as they are; what waits keeps a reference to a large frame, or a copy.
+  void send_shared(Frames& frames, bool now = true) { write_frames(frames, now, true); }
   // Writes what waits in the outbox as far as the socket takes it; true when it is empty. Throws
   // TransportError when the other end is gone.
   bool flush();
@@ -119,6 +122,7 @@ class FrameStream {
   static constexpr std::uint64_t kMaxFrame = std::uint64_t{1} << 40;
 
  private:
+  void write_frames(Frames& frames, bool now, bool shared);
   // A write failed with `err`: nothing more is written (the other end is gone, or write_error_
   // says why); what it sent is still read. Throws TransportError.
   [[noreturn]] void write_failed(int err);
@@ -162,7 +166,9 @@ struct CoalescedWrites {
   // Sends `frames` on `stream` under `mu`: at once when something came from the other end since
   // the last message it was sent, else into the outbox. True when something waits there (the
   // caller arms its Flusher). Throws as FrameStream::send.
-  bool send(FrameStream& stream, Frames&& frames);
+  bool send(FrameStream& stream, Frames&& frames) { return write(stream, frames, false); }
+  // send() of frames that other streams are sent too (FrameStream::send_shared).
+  bool send_shared(FrameStream& stream, Frames& frames) { return write(stream, frames, true); }
   // For the Flusher, under `mu`: writes what waits; adds the write end to `full` when its pipe is
   // still full. A failed write is left for the next send to report.
   void flush(FrameStream& stream, std::vector<int>& full);
@@ -171,6 +177,9 @@ struct CoalescedWrites {
 
   std::mutex mu;            // the stream's write side: send, flush, flush_wait, has_output
   unsigned unanswered = 0;  // messages sent since something came (the writer's thread only)
+
+ private:
+  bool write(FrameStream& stream, Frames& frames, bool shared);
 };
 
 // A peer's stream as a driver's channel polls it (LocalDriverChannel, StreamDriverChannel): its
