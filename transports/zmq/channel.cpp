@@ -31,6 +31,21 @@ zmq::socket_t make_socket(zmq::context_t& context, zmq::socket_type type) {
   return s;
 }
 
+// `send` for each of `peers`, each tried even when one before it threw; then the first
+// TransportError is thrown (CallChannel::send_each).
+template <class Send>
+void each_peer(const std::vector<std::size_t>& peers, Send&& send) {
+  std::exception_ptr first;
+  for (const std::size_t peer : peers) {
+    try {
+      send(peer);
+    } catch (const TransportError&) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
 // The next message on a worker's DEALER; what does not decode is dropped into `drops`.
 std::optional<Message> recv_decoded(zmq::socket_t& socket, std::chrono::milliseconds timeout,
                                     ShmChannel* shm, DropLog& drops) {
@@ -400,26 +415,13 @@ void LocalDriverChannel::send(std::size_t peer, const Message& m) {
 // (they may go through a worker's shared memory), to a worker with no released segments to name.
 void LocalDriverChannel::send_each(const std::vector<std::size_t>& peers, const Message& m) {
   std::optional<Frames> shared;
-  bool whole = true;  // the shared encoding has no tensors
-  std::exception_ptr first;
-  for (const std::size_t peer : peers) {
-    try {
-      Peer& p = *peers_.at(peer);
-      if (p.stream->peer_gone()) continue;
-      if (whole && !shared) {
-        shared = encode_message(m);
-        whole = shared->size() == 1;
-      }
-      if (whole && !(p.shm && p.shm->has_released())) {
-        write_to(peer, p, [&] { return p.writes.send_shared(*p.stream, *shared); });
-      } else {
-        write_to(peer, p, [&] { return p.writes.send(*p.stream, encode_message(m, p.shm.get())); });
-      }
-    } catch (const TransportError&) {
-      if (!first) first = std::current_exception();
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  each_peer(peers, [&](std::size_t peer) {
+    Peer& p = *peers_.at(peer);
+    if (p.stream->peer_gone()) return;
+    if (!shared) shared = encode_message(m);
+    if (shared->size() > 1 || (p.shm && p.shm->has_released())) return send(peer, m);
+    write_to(peer, p, [&] { return p.writes.send_shared(*p.stream, *shared); });
+  });
 }
 
 void LocalDriverChannel::lost(std::size_t peer, std::string reason, std::vector<std::size_t> with) {
@@ -572,15 +574,7 @@ std::optional<ChannelEvent> RouterDriverChannel::next(std::chrono::milliseconds 
 }
 
 void CallChannel::send_each(const std::vector<std::size_t>& peers, const Message& m) {
-  std::exception_ptr first;
-  for (const std::size_t peer : peers) {
-    try {
-      send(peer, m);
-    } catch (const TransportError&) {
-      if (!first) first = std::current_exception();
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  each_peer(peers, [&](std::size_t peer) { send(peer, m); });
 }
 
 std::unique_ptr<WorkerLink> connect_local_worker(Fd from_driver, Fd to_driver, Fd shm,
